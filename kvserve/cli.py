@@ -1,0 +1,86 @@
+"""Command line: `kvserve serve | generate | bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that builds an engine."""
+    d = EngineConfig()
+    parser.add_argument("--model", default=d.model, help="bundled model name, .gguf path or HF directory")
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests)
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--attention-backend", default=d.attention_backend)
+    parser.add_argument("--speculative", type=json.loads, default=None, help='JSON, e.g. \'{"method": "ngram"}\'')
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--num-threads", type=int, default=d.num_threads)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    fields = EngineConfig.__dataclass_fields__
+    return EngineConfig(**{name: getattr(args, name) for name in fields if hasattr(args, name)})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.llm import LLM
+    from kvserve.engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**{k: v for k, v in vars(config).items()})
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    if args.chat:
+        prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = llm.tokenizer.encode(args.prompt, add_special_tokens=True)
+    (output,) = llm.generate([prompt_ids], params)
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "token_ids": output.token_ids, "text": output.text}))
+    else:
+        print(output.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt on the local engine")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--json", action="store_true", help="print prompt_ids, token_ids and text as JSON")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""LLMEngine: add requests, run one iteration per `step()`, abort; the core every front end drives.
+
+One step = schedule (scheduler.py) -> one forward pass (runner.py) -> sample or verify drafts ->
+append tokens, detokenize, check stops -> free the blocks of finished sequences at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.outputs import RequestMetrics, RequestOutput
+from kvserve.engine.prefix_cache import CacheKey
+from kvserve.engine.runner import KVCache, ModelRunner
+from kvserve.engine.sampler import sample_rows, token_logprobs
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import ScheduledSeq, Scheduler
+from kvserve.engine.sequence import Request, Sequence
+from kvserve.engine.stop_checker import append_token
+from kvserve.kernels.backends import default_attention_backend, get_attention_backend
+from kvserve.model.llama import LlamaModel
+from kvserve.model.registry import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting_requests already; the caller should retry later."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    # On the CPU bf16 matrix products only pay with native support (AVX512-BF16 / AMX).
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prefill work actually done (prefix-cache hits excluded)
+    generated_tokens: int = 0
+    last_batch_size: int = 0
+    max_batch_size: int = 0
+    last_batch_tokens: int = 0
+    batch_size_sum: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        mcfg = loaded.config
+        self.max_model_len = min(
+            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
+        self.model = LlamaModel(mcfg, loaded.weights, self.dtype, self.device, self.max_model_len)
+        self.fingerprint = hashlib.sha256(
+            repr(
+                (loaded.weights_id, str(self.dtype), mcfg.rope_theta, mcfg.rope_scaling, mcfg.head_dim)
+            ).encode()
+        ).hexdigest()[:32]
+        block_size = config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            2, config.kv_cache_memory_bytes // KVCache.bytes_per_block(self.model, block_size)
+        )
+        self.cache = KVCache(self.model, num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool,
+            block_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.enable_chunked_prefill,
+        )
+        self.attention_backend = (
+            default_attention_backend(self.device)
+            if config.attention_backend == "auto"
+            else config.attention_backend
+        )
+        self.runner = ModelRunner(
+            self.model, self.cache, get_attention_backend(self.attention_backend, self.device)
+        )
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._order = 0
+        self.counters = EngineCounters()
+
+    # ---- requests ----
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (naming the field) on bad input, QueueFullError when full."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self.validate_lengths(len(prompt_ids), params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
+        request = Request(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            metrics=RequestMetrics(
+                arrival_time=time.perf_counter() if arrival_time is None else arrival_time
+            ),
+            cache_salt=cache_salt,
+            cache_key_digest=CacheKey(self.fingerprint, None, cache_salt).digest(),
+            order=self._order,
+            base_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(62),
+            tokenizer=self.tokenizer,
+        )
+        self._order += 1
+        self.requests[request_id] = request
+        self.scheduler.add(request.new_sequence(0))
+
+    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def validate_lengths(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens; the model's context (max_model_len) is {self.max_model_len}, "
+                "which must also leave room for at least one output token"
+            )
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} with a {prompt_len}-token prompt exceeds the model's context "
+                f"of {self.max_model_len} tokens"
+            )
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be at most {self.config.max_n}, got {params.n}")
+        blocks = -(-(prompt_len + params.max_tokens) // self.config.block_size)
+        if blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output, or None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self._close_request(request, "abort")
+        self.counters.requests_aborted += 1
+        return request.to_output()
+
+    def _close_request(self, request: Request, reason: str) -> None:
+        for seq in request.sequences:
+            if not seq.is_finished:
+                seq.finish_reason = reason
+                seq.visible_text_len = len(seq.detokenizer.text)
+                self.scheduler.remove(seq)
+        # Unforked samples will never exist: create them as finished so outputs stay n long.
+        while len(request.sequences) < request.params.n:
+            seq = request.new_sequence(len(request.sequences))
+            seq.finish_reason = reason
+            self.scheduler.remove(seq)
+        request.metrics.finished_time = time.perf_counter()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one iteration ----
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        start = time.perf_counter()
+        for item in sched.scheduled:
+            if item.seq.request.metrics.first_scheduled_time is None:
+                item.seq.request.metrics.first_scheduled_time = start
+        try:
+            logits = self.runner.execute(sched)
+        except Exception as exc:  # a failing batch fails its requests, not the engine
+            logger.exception("forward pass failed")
+            return [self._fail(item.seq.request, exc) for item in sched.scheduled]
+
+        counters = self.counters
+        counters.steps += 1
+        counters.last_batch_size = len(sched.scheduled)
+        counters.max_batch_size = max(counters.max_batch_size, counters.last_batch_size)
+        counters.batch_size_sum += counters.last_batch_size
+        counters.last_batch_tokens = sched.num_tokens
+
+        jobs: list[tuple[Sequence, int]] = []  # (sequence, logits row) to sample
+        row = 0
+        touched: dict[str, Request] = {}
+        for item in sched.scheduled:
+            seq = item.seq
+            counters.prompt_tokens_computed += min(
+                item.num_new_tokens, max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+            )
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.num_logits:
+                jobs.extend(self._sampling_jobs(item, row))
+                row += item.num_logits
+        self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
+
+        if jobs:
+            rows = torch.tensor([r for _, r in jobs], device=logits.device)
+            selected = logits.index_select(0, rows)
+            seqs = [s for s, _ in jobs]
+            tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
+            wanted = [s.params.logprobs for s in seqs]
+            logprobs = (
+                token_logprobs(selected, tokens, [w or 0 for w in wanted])
+                if any(w is not None for w in wanted)
+                else None
+            )
+            now = time.perf_counter()
+            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+                request = seq.request
+                touched[request.request_id] = request
+                try:
+                    self._emit(seq, token, now, logprobs[i] if logprobs else None)
+                except Exception as exc:
+                    logger.exception("request %s failed while processing its output", request.request_id)
+                    self._fail(request, exc)
+        return [self._output_of(request) for request in touched.values()]
+
+    def _sampling_jobs(self, item: ScheduledSeq, row: int) -> list[tuple[Sequence, int]]:
+        seq = item.seq
+        request = seq.request
+        last_row = row + item.num_logits - 1
+        if len(request.sequences) < request.params.n and seq.index == 0 and seq.num_output_tokens == 0:
+            return [(seq, last_row), *((child, last_row) for child in self._fork(seq))]
+        return [(seq, last_row)]
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Create the other n-1 samples, sharing the parent's computed prompt blocks (copy-on-write)."""
+        request = parent.request
+        children = []
+        for index in range(len(request.sequences), request.params.n):
+            child = request.new_sequence(index)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_table = list(parent.block_table)
+            for block in child.block_table:
+                self.pool.incref(block)
+            child.block_hashes = list(parent.block_hashes)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _emit(self, seq: Sequence, token: int, now: float, logprob) -> None:
+        request = seq.request
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        seq.token_times.append(now)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        self.counters.generated_tokens += 1
+        eos = [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
+        if append_token(seq, token, eos, self.max_model_len):
+            self.scheduler.remove(seq)
+            if request.finished:
+                request.metrics.finished_time = now
+                self.counters.requests_finished += 1
+
+    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+        request.error = f"{type(exc).__name__}: {exc}"
+        self._close_request(request, "error")
+        self.counters.requests_failed += 1
+        self.requests.pop(request.request_id, None)
+        return request.to_output()
+
+    def _output_of(self, request: Request) -> RequestOutput:
+        output = request.to_output()
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+        return output
+
+    # ---- observability ----
+    def stats(self) -> dict[str, float | int | str]:
+        pool = self.pool
+        c = self.counters
+        return {
+            "model": self.model_name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.attention_backend,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_free": pool.num_free,
+            "prefix_cache_queries": pool.stats.queries,
+            "prefix_cache_hits": pool.stats.hits,
+            "prefix_cache_hit_rate": pool.stats.hit_rate,
+            "prefix_cache_blocks": pool.num_cached,
+            "prefix_cache_evictions": pool.stats.evictions,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": c.steps,
+            "prompt_tokens_computed": c.prompt_tokens_computed,
+            "generated_tokens": c.generated_tokens,
+            "last_batch_size": c.last_batch_size,
+            "max_batch_size": c.max_batch_size,
+            "mean_batch_size": c.batch_size_sum / c.steps if c.steps else 0.0,
+            "last_batch_tokens": c.last_batch_tokens,
+            "requests_finished": c.requests_finished,
+            "requests_aborted": c.requests_aborted,
+            "requests_failed": c.requests_failed,
+        }

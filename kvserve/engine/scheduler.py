@@ -1,0 +1,255 @@
+"""Iteration-level (continuous) batching: which sequences run in the next forward pass, and how much.
+
+Each call to `schedule()` plans exactly one forward pass:
+1. Running sequences in FCFS order get their next tokens: one token when decoding (plus any draft
+   tokens to verify), a chunk of their prompt when still prefilling. Prefill chunks never take the
+   budget that the remaining decoders need, so a long prompt cannot stall generation (chunked prefill).
+2. If a running sequence needs a KV block and none is free, the most recently arrived running
+   sequence is preempted: its blocks are freed and it rejoins the waiting queue to be recomputed.
+   The oldest work always proceeds, so every request finishes (no starvation).
+3. Waiting requests are admitted in arrival order while the token budget, `max_num_seqs` and free
+   blocks allow; a request that does not fit blocks those behind it (strict FCFS).
+Prefix-cache hits are taken on admission: matched full blocks are shared, not recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.prefix_cache import extend_block_hashes, identity_at
+from kvserve.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed to the model this step (includes draft tokens to verify)
+    num_logits: int  # trailing rows whose logits are needed (0 for an unfinished prefill chunk)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (src, dst) block copies to run before the forward pass: copy-on-write of shared partial blocks.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []  # sorted by arrival_key
+        self.running: list[Sequence] = []  # sorted by arrival_key
+        # Keep a reserve of free blocks so admissions do not immediately force preemptions.
+        self.watermark_blocks = max(1, pool.num_blocks // 100)
+        self.num_preemptions = 0
+
+    # ---- queue management ----
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample joins the running set directly (its prompt is already computed)."""
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one iteration ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        running = list(self.running)
+        decoders_left = sum(1 for s in running if not s.in_prefill)
+        scheduled_ids: set[int] = set()
+        index = 0
+        while index < len(running):
+            seq = running[index]
+            index += 1
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            decoding = not seq.in_prefill
+            if decoding:
+                decoders_left -= 1
+                want = 1 + len(seq.spec_tokens)
+                if want > budget:
+                    seq.spec_tokens = seq.spec_tokens[: max(budget - 1, 0)]
+                    want = 1 + len(seq.spec_tokens)
+            else:
+                want = min(seq.num_tokens - seq.num_computed_tokens, max(budget - decoders_left, 0))
+            if want <= 0 or want > budget:
+                continue
+            while not self._reserve(seq, seq.num_computed_tokens + want, out):
+                victim = next(
+                    (
+                        s
+                        for s in reversed(running)
+                        if s.status is SeqStatus.RUNNING and s.seq_id not in scheduled_ids
+                    ),
+                    None,
+                )
+                if victim is None:
+                    break
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING or not self._has_room(seq, seq.num_computed_tokens + want):
+                continue
+            scheduled_ids.add(seq.seq_id)
+            budget -= want
+            reaches_end = seq.num_computed_tokens + want >= seq.num_tokens
+            out.scheduled.append(ScheduledSeq(seq, want, want if decoding else int(reaches_end)))
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            n_after_fork = seq.request.params.n if seq.num_output_tokens == 0 and seq.index == 0 else 1
+            if len(self.running) + n_after_fork > self.max_num_seqs and self.running:
+                break
+            hits = self._match_prefix(seq) if seq.num_computed_tokens == 0 else []
+            computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
+            remaining = seq.num_tokens - computed
+            if self.enable_chunked_prefill:
+                want = min(remaining, budget)
+            elif remaining > budget and out.scheduled:
+                break
+            else:
+                # Without chunking a whole prompt runs at once; one larger than the budget runs alone.
+                want = remaining
+            blocks_needed = -(-(computed + want) // self.block_size) - len(hits)
+            revived = sum(1 for b in hits if self.pool.is_free(b))
+            if self.pool.num_free - (blocks_needed + revived) < self.watermark_blocks and (
+                self.running or out.scheduled or self.pool.num_free < blocks_needed + revived
+            ):
+                break
+            self.waiting.pop(0)
+            for block in hits:
+                self.pool.incref(block)
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = computed
+            if seq.request.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+                seq.request.num_cached_tokens = computed
+            for _ in range(blocks_needed):
+                seq.block_table.append(self.pool.allocate())
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival_key)
+            budget -= want
+            out.scheduled.append(ScheduledSeq(seq, want, int(computed + want >= seq.num_tokens)))
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Longest run of cached full blocks matching the sequence's tokens.
+
+        At most (num_tokens - 1) // block_size blocks: the last token is always computed (its logits
+        are needed), and the block it lands in is then never a shared one.
+        """
+        if not self.pool.enable_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        extend_block_hashes(
+            seq.block_hashes, seq.token_ids, max_blocks, self.block_size, seq.request.cache_key_digest
+        )
+        hits: list[int] = []
+        for index in range(max_blocks):
+            block = self.pool.lookup(identity_at(seq.block_hashes, seq.token_ids, index, self.block_size))
+            if block is None:
+                break
+            hits.append(block)
+        if seq.num_output_tokens == 0:
+            self.pool.stats.queries += seq.num_tokens
+            self.pool.stats.hits += len(hits) * self.block_size
+        return hits
+
+    def _has_room(self, seq: Sequence, total_tokens: int) -> bool:
+        return len(seq.block_table) * self.block_size >= total_tokens and not self._needs_copy(seq)
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """Writing position num_computed_tokens would modify a block another sequence also reads."""
+        if seq.num_computed_tokens % self.block_size == 0:
+            return False
+        block = seq.block_table[seq.num_computed_tokens // self.block_size]
+        return self.pool.ref_count(block) > 1
+
+    def _reserve(self, seq: Sequence, total_tokens: int, out: SchedulerOutput) -> bool:
+        """Make the blocks for positions < total_tokens writable; False if the pool is short."""
+        copy = self._needs_copy(seq)
+        need = -(-total_tokens // self.block_size) - len(seq.block_table)
+        if self.pool.num_free < max(need, 0) + int(copy):
+            return False
+        if copy:
+            slot = seq.num_computed_tokens // self.block_size
+            shared = seq.block_table[slot]
+            fresh = self.pool.allocate()
+            out.block_copies.append((shared, fresh))
+            self.pool.free(shared)
+            seq.block_table[slot] = fresh
+        for _ in range(max(need, 0)):
+            seq.block_table.append(self.pool.allocate())
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.pool.free_blocks(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.spec_tokens = []
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    # ---- after the forward pass ----
+    def register_computed_blocks(self, seqs: Iterable[Sequence]) -> None:
+        """Index blocks that became full this step; only now do their K/V exist for others to reuse."""
+        if not self.pool.enable_caching:
+            return
+        for seq in seqs:
+            full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+            if full <= seq.num_registered_blocks:
+                continue
+            extend_block_hashes(
+                seq.block_hashes, seq.token_ids, full, self.block_size, seq.request.cache_key_digest
+            )
+            for index in range(seq.num_registered_blocks, full):
+                identity = identity_at(seq.block_hashes, seq.token_ids, index, self.block_size)
+                self.pool.register(seq.block_table[index], identity)
+            seq.num_registered_blocks = full

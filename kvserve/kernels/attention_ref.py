@@ -1,0 +1,67 @@
+"""The oracle: attention computed the obvious way, softmax(QK^T * scale + causal mask) V, with the
+full score matrix materialized. Fast kernels are tested against it (in float64); it is also the
+"reference" backend, which is correct but quadratic in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels.metadata import AttentionMetadata
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    q_offset: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Causal attention of one sequence. q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; returns [Tq, Hq, D].
+
+    Query i sits at position q_offset + i and sees keys 0 .. q_offset + i. By default the queries are
+    the last Tq positions (q_offset = Tk - Tq), as in prefill after a cached prefix, or decode.
+    Query head h reads kv head h // (Hq / Hkv) (grouped-query attention).
+    """
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    offset = tk - tq if q_offset is None else q_offset
+    group = hq // hkv
+    qc = q.to(compute_dtype).transpose(0, 1)  # [Hq, Tq, D]
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tk, D]
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = qc @ kc.transpose(1, 2) * scale  # [Hq, Tq, Tk]
+    qpos = torch.arange(tq, device=q.device) + offset
+    kpos = torch.arange(tk, device=q.device)
+    scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vc
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def gather_sequence_kv(cache: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
+    """Keys (or values) 0 .. seq_lens[i]-1 of sequence i as a contiguous [seq_len, Hkv, D] copy."""
+    n = meta.seq_lens_host[i]
+    blocks = meta.block_tables[i, : -(-n // meta.block_size)]
+    return cache.index_select(0, blocks).flatten(0, 1)[:n]
+
+
+def paged_reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Packed varlen causal attention over the paged cache, one materialized matrix per sequence."""
+    out = torch.empty_like(q)
+    start = 0
+    for i, n in enumerate(meta.query_lens_host):
+        k = gather_sequence_kv(k_cache, meta, i)
+        v = gather_sequence_kv(v_cache, meta, i)
+        out[start : start + n] = reference_attention(q[start : start + n], k, v, scale, None, compute_dtype)
+        start += n
+    return out

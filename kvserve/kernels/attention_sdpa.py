@@ -1,0 +1,90 @@
+"""The "sdpa" backend: torch.nn.functional.scaled_dot_product_attention over K/V gathered from the
+paged cache. Sequences with few new tokens are batched into one padded call; longer ones (prefill)
+get one call each, since padding a batch of unequal prompts to the longest wastes quadratic work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
+from kvserve.kernels.attention_ref import gather_sequence_kv
+from kvserve.kernels.metadata import AttentionMetadata
+
+
+def _padded_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seq_list: list[int],
+    out: torch.Tensor,
+) -> None:
+    """One SDPA call for the sequences in seqs, keys padded to the longest and masked per sequence."""
+    dev = q.device
+    _, hkv, d = k_cache.shape[1:]
+    seqs = torch.tensor(seq_list, device=dev)
+    qlen = torch.tensor([meta.query_lens_host[i] for i in seq_list], device=dev)
+    slen = meta.seq_lens[seqs]
+    max_q, max_s = int(qlen.max()), max(meta.seq_lens_host[i] for i in seq_list)
+    j = torch.arange(max_q, device=dev)
+    rows = meta.cu_seqlens_q[seqs].unsqueeze(1) + j
+    valid = j < qlen.unsqueeze(1)
+    qpos = (slen - qlen).unsqueeze(1) + j  # padding rows see every real key, so they stay finite
+    kpos = torch.arange(max_s, device=dev)
+    col = torch.div(kpos, meta.block_size, rounding_mode="floor")
+    slot = (meta.block_tables[seqs][:, col] * meta.block_size + kpos % meta.block_size).flatten()
+    k = k_cache.view(-1, hkv, d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
+    v = v_cache.view(-1, hkv, d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
+    qb = q.index_select(0, rows.clamp_max(q.shape[0] - 1).flatten()).view(len(seqs), max_q, -1, d)
+    mask = (kpos <= qpos.unsqueeze(-1)) & (kpos < slen.view(-1, 1, 1))  # [B, Qmax, Smax]
+    res = F.scaled_dot_product_attention(
+        qb.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True
+    )
+    dest = torch.where(valid, rows, q.shape[0]).flatten()
+    out.index_copy_(0, dest, res.transpose(1, 2).flatten(0, 1))
+
+
+def _one_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    i: int,
+    row0: int,
+) -> torch.Tensor:
+    n, s = meta.query_lens_host[i], meta.seq_lens_host[i]
+    k = gather_sequence_kv(k_cache, meta, i).transpose(0, 1).unsqueeze(0)
+    v = gather_sequence_kv(v_cache, meta, i).transpose(0, 1).unsqueeze(0)
+    qs = q[row0 : row0 + n].transpose(0, 1).unsqueeze(0)
+    if n == s:  # SDPA's is_causal aligns the mask top-left, right only without a cached prefix
+        res = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kpos = torch.arange(s, device=q.device)
+        mask = kpos <= (kpos[s - n :]).unsqueeze(1)
+        res = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return res[0].transpose(0, 1)
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Packed varlen causal attention over the paged cache via torch SDPA. q: [T, Hq, D]."""
+    out = q.new_empty((q.shape[0] + 1, q.shape[1], q.shape[2]))
+    qlens = meta.query_lens_host
+    decode = [i for i, n in enumerate(qlens) if n <= DECODE_MAX_QUERY_LEN]
+    if decode:
+        _padded_decode(q, k_cache, v_cache, meta, scale, decode, out)
+    row0 = 0
+    for i, n in enumerate(qlens):
+        if n > DECODE_MAX_QUERY_LEN:
+            out[row0 : row0 + n] = _one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
+        row0 += n
+    return out[:-1]

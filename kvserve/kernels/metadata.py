@@ -1,0 +1,66 @@
+"""What every attention backend needs to know about one packed batch.
+
+The batch packs B sequences' new tokens back to back (no padding): sequence i owns query rows
+cu_seqlens_q[i] : cu_seqlens_q[i+1]. Its K/V for *all* positions, cached prefix and new tokens alike,
+live in the paged cache and have already been written before attention runs. So the keys of
+sequence i are positions 0 .. seq_lens[i]-1, found through block_tables[i], and its query rows are
+the last query_lens[i] of those positions (causal: a query at position p sees keys 0..p).
+
+Invariant: seq_lens[i] >= query_lens[i] >= 1, and block_tables[i, : ceil(seq_lens[i] / block_size)]
+are valid block ids; entries beyond that are padding (any valid id) and must be masked by seq_lens.
+Host-side copies of the lengths are kept so backends can plan loops without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    cu_seqlens_q: torch.Tensor  # int64 [B+1], on the compute device
+    seq_lens: torch.Tensor  # int64 [B], total keys per sequence after this step's writes
+    block_tables: torch.Tensor  # int64 [B, max_blocks_per_seq]
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build from host lists (one tensor copy each; used by the runner and by tests)."""
+        if len(query_lens) != len(seq_lens) or len(seq_lens) != len(block_tables):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        width = max((len(t) for t in block_tables), default=0) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        return cls(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
+            block_size=block_size,
+        )

@@ -1,0 +1,178 @@
+"""Text <-> token ids, the chat template, and incremental detokenization for streaming.
+
+Built on the `tokenizers` library either from a tokenizer.json (HF directories) or from a GGUF's
+vocabulary and merges. For byte-level BPE every token maps to fixed bytes, so decoding a suffix of
+the ids gives exactly the suffix of the text once the bytes form complete UTF-8 characters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from kvserve.model.gguf import GGUFTokenizerData
+
+_CONTROL_TOKEN_TYPE = 3
+# llama.cpp's pre-tokenizer names whose split differs from GPT-2's: digits are split one by one.
+_DIGIT_SPLITTING_PRE_TOKENIZERS = {"smollm", "starcoder", "refact", "deepseek-coder"}
+
+
+class TokenizerWrapper:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_token_id: int | None,
+        bos_token_id: int | None,
+        add_bos_token: bool,
+        chat_template: str | None,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # Tokens that end a turn besides EOS (e.g. <|im_end|> for ChatML templates).
+        self.stop_token_ids = sorted({t for t in (eos_token_id, *extra_stop_token_ids) if t is not None})
+
+    # ---- construction ----
+    @classmethod
+    def from_gguf(cls, data: GGUFTokenizerData) -> TokenizerWrapper:
+        vocab = {token: index for index, token in enumerate(data.tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in data.merges]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if data.pre_tokenizer in _DIGIT_SPLITTING_PRE_TOKENIZERS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        control = [
+            AddedToken(token, special=True, normalized=False)
+            for token, kind in zip(data.tokens, data.token_types, strict=False)
+            if kind == _CONTROL_TOKEN_TYPE
+        ]
+        tok.add_special_tokens(control)
+        im_end = vocab.get("<|im_end|>")
+        return cls(
+            tok,
+            eos_token_id=data.eos_token_id,
+            bos_token_id=data.bos_token_id,
+            add_bos_token=data.add_bos_token,
+            chat_template=data.chat_template,
+            extra_stop_token_ids=[im_end] if im_end is not None else [],
+        )
+
+    @classmethod
+    def from_hf_dir(cls, directory: Path, config: dict[str, Any]) -> TokenizerWrapper:
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{directory} has no tokenizer.json")
+        tok = Tokenizer.from_file(str(path))
+        tok_config: dict[str, Any] = {}
+        config_path = directory / "tokenizer_config.json"
+        if config_path.is_file():
+            import json
+
+            tok_config = json.loads(config_path.read_text())
+
+        def token_id(value: Any) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tok.token_to_id(value) if isinstance(value, str) else None
+
+        eos = config.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        eos_id = eos_ids[0] if eos_ids and eos_ids[0] is not None else token_id(tok_config.get("eos_token"))
+        im_end = tok.token_to_id("<|im_end|>")
+        return cls(
+            tok,
+            eos_token_id=eos_id,
+            bos_token_id=config.get("bos_token_id"),
+            add_bos_token=bool(tok_config.get("add_bos_token", False)),
+            chat_template=tok_config.get("chat_template"),
+            extra_stop_token_ids=[t for t in (*eos_ids[1:], im_end) if t is not None],
+        )
+
+    # ---- text ----
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_id),
+            strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template writes any special tokens itself, so none are added on top.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+_template_cache: dict[str, Any] = {}
+
+
+def _compile_template(source: str) -> Any:
+    if source not in _template_cache:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        _template_cache[source] = env.from_string(source)
+    return _template_cache[source]
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas without re-decoding the whole output each step.
+
+    Invariant: text == decode(ids[:read_offset]) as far as complete characters go; a delta is held
+    back while the newest bytes end in an incomplete UTF-8 sequence (decoded as U+FFFD).
+    """
+
+    tokenizer: TokenizerWrapper
+    skip_special_tokens: bool = True
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+
+    def add(self, ids: Sequence[int]) -> str:
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            # Keep a few tokens of left context so merges across the boundary decode correctly.
+            self.prefix_offset = max(self.read_offset - 4, 0)
+            self.read_offset = len(ids)
+            self.text += delta
+            return delta
+        return ""

