@@ -147,6 +147,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         quiet=args.quiet,
+        chat=args.endpoint == "chat",
     )
     records, meta = replay_offline(workload_from_args(args), cfg)
     return _emit(records, {**meta, "workload": str(args.workload or f"generated ({args.kind})")}, args)
@@ -203,6 +204,9 @@ def register(subparsers: Any) -> None:
 
     p = subparsers.add_parser("offline", parents=[run, gen, rep], help="replay through the in-process engine")
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--endpoint", choices=["completions", "chat"], default="completions", help="chat: apply the chat template"
+    )
     p.add_argument("--max-num-seqs", type=int, help="1 = serial; default: the engine's")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.set_defaults(func=cmd_offline)

@@ -29,6 +29,9 @@ class OfflineConfig:
     ignore_eos: bool | None = None  # True/False forces it on every request; None: per request
     seed: int = 0  # for the token ids of ``input_len`` requests
     quiet: bool = False
+    # Text prompts go through the model's chat template as one user message, as the server's
+    # /v1/chat/completions would send them; token-id prompts are always taken as they are.
+    chat: bool = False
 
 
 def make_engine(cfg: OfflineConfig) -> Any:
@@ -49,6 +52,14 @@ def _params(req: WorkloadRequest, cfg: OfflineConfig) -> Any:
 
     ignore_eos = req.ignore_eos if cfg.ignore_eos is None else cfg.ignore_eos
     return SamplingParams(max_tokens=req.max_tokens, temperature=cfg.temperature, ignore_eos=ignore_eos)
+
+
+def _prompt(engine: Any, req: WorkloadRequest, cfg: OfflineConfig) -> str | list[int]:
+    if req.prompt is None:
+        return token_ids_for(req, cfg.seed)
+    if cfg.chat:
+        return engine.tokenizer.encode_chat([{"role": "user", "content": req.prompt}])
+    return req.prompt
 
 
 def _record(req: WorkloadRequest, output: Any, t0: float) -> RequestRecord:
@@ -110,7 +121,7 @@ def replay_offline(
         now = time.perf_counter()
         while pending and t0 + pending[0].arrival_ms / 1000 <= now:
             req = pending.popleft()
-            prompt = req.prompt if req.prompt is not None else token_ids_for(req, cfg.seed)
+            prompt = _prompt(engine, req, cfg)
             try:
                 arrival_time = t0 + req.arrival_ms / 1000
                 engine.add_request(req.id, prompt, _params(req, cfg), arrival_time, req.cache_salt)
@@ -143,6 +154,7 @@ def replay_offline(
         "enable_prefix_caching": ("engine default" if cfg.enable_prefix_caching is None else cfg.enable_prefix_caching),
         "warmup": f"{cfg.warmup} requests before time 0, excluded from every number",
         "temperature": cfg.temperature,
+        "prompts": "chat template (one user message)" if cfg.chat else "as given",
         "token_counting": "engine token_times (one per token)",
         "engine_counters": counter_deltas(stats_before, stats_after),
         # Raw snapshots; gauges such as hit rates or batch sizes cover the engine's whole life.
