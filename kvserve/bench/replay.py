@@ -98,10 +98,10 @@ async def _replay_one(
     client: httpx.AsyncClient,
     cfg: ReplayConfig,
     req: WorkloadRequest,
+    body: dict[str, Any],
     t0: float,
     slots: asyncio.Semaphore,
 ) -> RequestRecord:
-    body = payload_for(req, cfg)
     arrival = req.arrival_ms / 1000
     await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
     async with slots:
@@ -139,6 +139,9 @@ async def replay_async(
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay ``requests``; returns records (in workload order) and the run's meta description.
     ``transport`` replaces the network (e.g. an in-process app or a unix socket)."""
+    # Bodies are built before anything is sent: a request the endpoint cannot take fails the run
+    # at once, and no request pays for building its body (e.g. random ids) at its arrival time.
+    bodies = [payload_for(r, cfg) for r in requests]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
     async with httpx.AsyncClient(transport=transport, limits=limits, timeout=timeout) as client:
@@ -147,12 +150,12 @@ async def replay_async(
         t0 = time.perf_counter()
         with tqdm(total=len(requests), disable=cfg.quiet, unit="req", desc="replay") as bar:
 
-            async def tracked(req: WorkloadRequest) -> RequestRecord:
-                record = await _replay_one(client, cfg, req, t0, slots)
+            async def tracked(req: WorkloadRequest, body: dict[str, Any]) -> RequestRecord:
+                record = await _replay_one(client, cfg, req, body, t0, slots)
                 bar.update(1)
                 return record
 
-            records = await asyncio.gather(*(tracked(r) for r in requests))
+            records = await asyncio.gather(*(tracked(r, b) for r, b in zip(requests, bodies, strict=True)))
     meta = {
         "source": "http replay",
         "url": cfg.url,

@@ -38,7 +38,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _request_rows(res: dict[str, Any]) -> list[list[str]]:
     rows = []
     for i, rec in enumerate(res["requests"][:MAX_REQUEST_ROWS]):
-        status = rec["error"] or rec["finish_reason"] or "ok"
+        # An error message must not break the table: no pipes or newlines, and kept short.
+        status = (rec["error"] or rec["finish_reason"] or "ok").replace("|", "/").replace("\n", " ")[:120]
         rows.append(
             [
                 rec["id"],
