@@ -17,19 +17,24 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.outputs import RequestMetrics, RequestOutput
+from kvserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.prefix_cache import CacheKey
-from kvserve.engine.runner import KVCache, ModelRunner
+from kvserve.engine.runner import KVCache, ModelRunner, spans_of
 from kvserve.engine.sampler import sample_rows, token_logprobs
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import ScheduledSeq, Scheduler
+from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Request, Sequence
 from kvserve.engine.stop_checker import append_token
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
+from kvserve.spec.proposers import Proposal
+from kvserve.spec.setup import build_draft_proposer
+from kvserve.spec.speculator import Speculator
 
 logger = logging.getLogger(__name__)
+# Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
+_DRAFT_SLOT = -1
 
 
 class QueueFullError(RuntimeError):
@@ -90,14 +95,10 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
-        self.max_model_len = min(
-            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.model = LlamaModel(mcfg, loaded.weights, self.dtype, self.device, self.max_model_len)
         self.fingerprint = hashlib.sha256(
-            repr(
-                (loaded.weights_id, str(self.dtype), mcfg.rope_theta, mcfg.rope_scaling, mcfg.head_dim)
-            ).encode()
+            repr((loaded.weights_id, str(self.dtype), mcfg.rope_theta, mcfg.rope_scaling, mcfg.head_dim)).encode()
         ).hexdigest()[:32]
         block_size = config.block_size
         num_blocks = config.num_kv_blocks or max(
@@ -113,13 +114,12 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.attention_backend = (
-            default_attention_backend(self.device)
-            if config.attention_backend == "auto"
-            else config.attention_backend
+            default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend
         )
-        self.runner = ModelRunner(
-            self.model, self.cache, get_attention_backend(self.attention_backend, self.device)
-        )
+        attention = get_attention_backend(self.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.cache, attention)
+        self.draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
+        self.speculator = Speculator(config.speculative, self.draft) if config.speculative else None
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self._order = 0
@@ -149,9 +149,7 @@ class LLMEngine:
             prompt=prompt_text,
             prompt_token_ids=prompt_ids,
             params=params,
-            metrics=RequestMetrics(
-                arrival_time=time.perf_counter() if arrival_time is None else arrival_time
-            ),
+            metrics=RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
             cache_salt=cache_salt,
             cache_key_digest=CacheKey(self.fingerprint, None, cache_salt).digest(),
             order=self._order,
@@ -221,6 +219,7 @@ class LLMEngine:
 
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:
+        proposals = self._plan_speculation()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -229,11 +228,77 @@ class LLMEngine:
             if item.seq.request.metrics.first_scheduled_time is None:
                 item.seq.request.metrics.first_scheduled_time = start
         try:
-            logits = self.runner.execute(sched)
+            self.cache.copy_blocks(sched.block_copies)
+            if self.speculator is not None:
+                proposals = self._draft(sched, proposals)
+            spans = spans_of(sched)
+            logits = self.runner.execute(spans)
+            if self.draft is not None:
+                self.draft.copy_blocks(sched.block_copies)
+                self.draft.observe(spans)
         except Exception as exc:  # a failing batch fails its requests, not the engine
             logger.exception("forward pass failed")
             return [self._fail(item.seq.request, exc) for item in sched.scheduled]
+        if self.speculator is not None:
+            self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
+        self._count_step(sched)
 
+        jobs: list[tuple[Sequence, int]] = []  # (sequence, logits row) to sample
+        verifications: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, its k+1 logits rows)
+        row = 0
+        for item in sched.scheduled:
+            seq = item.seq
+            self.counters.prompt_tokens_computed += min(
+                item.num_new_tokens, max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+            )
+            if seq.spec_tokens:
+                seq.num_computed_tokens += 1  # the fed token; accepted drafts are added on verification
+                verifications.append((seq, logits[row : row + item.num_logits]))
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
+                if item.num_logits:
+                    jobs.extend(self._sampling_jobs(item, row))
+            row += item.num_logits
+        self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
+
+        touched: dict[str, Request] = {}
+        emissions: list[tuple[Sequence, list[int], list]] = []
+        if jobs:
+            rows = torch.tensor([r for _, r in jobs], device=logits.device)
+            selected = logits.index_select(0, rows)
+            seqs = [s for s, _ in jobs]
+            tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
+            logprobs = self._logprobs(selected, tokens, seqs)
+            emissions.extend(
+                (seq, [token], [logprobs[i]] if logprobs else None)
+                for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
+            )
+        for seq, rows in verifications:
+            emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
+            seq.num_computed_tokens += len(emitted) - 1
+            seq.spec_tokens = []
+            logprobs = self._logprobs(rows[: len(emitted)], emitted, [seq] * len(emitted))
+            emissions.append((seq, emitted, logprobs))
+
+        now = time.perf_counter()
+        for seq, tokens, logprobs in emissions:
+            request = seq.request
+            touched[request.request_id] = request
+            try:
+                for i, token in enumerate(tokens):
+                    if self._emit(seq, token, now, logprobs[i] if logprobs else None):
+                        break
+                if not seq.is_finished and len(tokens) > 1:
+                    self._trim_blocks(seq)
+            except Exception as exc:
+                logger.exception("request %s failed while processing its output", request.request_id)
+                self._fail(request, exc)
+        if verifications:
+            self.speculator.stats.steps += 1
+            self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
+        return [self._output_of(request) for request in touched.values()]
+
+    def _count_step(self, sched: SchedulerOutput) -> None:
         counters = self.counters
         counters.steps += 1
         counters.last_batch_size = len(sched.scheduled)
@@ -241,41 +306,59 @@ class LLMEngine:
         counters.batch_size_sum += counters.last_batch_size
         counters.last_batch_tokens = sched.num_tokens
 
-        jobs: list[tuple[Sequence, int]] = []  # (sequence, logits row) to sample
-        row = 0
-        touched: dict[str, Request] = {}
-        for item in sched.scheduled:
-            seq = item.seq
-            counters.prompt_tokens_computed += min(
-                item.num_new_tokens, max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
-            )
-            seq.num_computed_tokens += item.num_new_tokens
-            if item.num_logits:
-                jobs.extend(self._sampling_jobs(item, row))
-                row += item.num_logits
-        self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
+    @staticmethod
+    def _logprobs(rows: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> list | None:
+        wanted = [s.params.logprobs for s in seqs]
+        if all(w is None for w in wanted):
+            return None
+        return token_logprobs(rows, tokens, [w or 0 for w in wanted])
 
-        if jobs:
-            rows = torch.tensor([r for _, r in jobs], device=logits.device)
-            selected = logits.index_select(0, rows)
-            seqs = [s for s, _ in jobs]
-            tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
-            wanted = [s.params.logprobs for s in seqs]
-            logprobs = (
-                token_logprobs(selected, tokens, [w or 0 for w in wanted])
-                if any(w is not None for w in wanted)
-                else None
-            )
-            now = time.perf_counter()
-            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
-                request = seq.request
-                touched[request.request_id] = request
-                try:
-                    self._emit(seq, token, now, logprobs[i] if logprobs else None)
-                except Exception as exc:
-                    logger.exception("request %s failed while processing its output", request.request_id)
-                    self._fail(request, exc)
-        return [self._output_of(request) for request in touched.values()]
+    # ---- speculative decoding ----
+    def _plan_speculation(self) -> dict[int, Proposal]:
+        """Choose k for this step and mark decoding sequences with k draft slots to schedule.
+
+        n-gram drafts are known now; a draft model fills its slots after scheduling (`_draft`),
+        once blocks for the drafted positions are reserved.
+        """
+        if self.speculator is None:
+            return {}
+        decoding = [s for s in self.scheduler.running if not s.in_prefill]
+        if not decoding:
+            return {}
+        prefill_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.in_prefill)
+        k = self.speculator.plan_k(len(decoding), prefill_tokens)
+        if k == 0:
+            self.speculator.stats.skipped_steps += 1
+            return {}
+        if self.draft is not None:
+            for seq in decoding:
+                slots = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+                seq.spec_tokens = [_DRAFT_SLOT] * max(slots, 0)
+            return {}
+        proposals = self.speculator.propose(decoding, k)
+        for seq, proposal in zip(decoding, proposals, strict=True):
+            seq.spec_tokens = list(proposal.tokens)
+        return {seq.seq_id: p for seq, p in zip(decoding, proposals, strict=True)}
+
+    def _draft(self, sched: SchedulerOutput, proposals: dict[int, Proposal]) -> dict[int, Proposal]:
+        """Fill the draft-model slots of scheduled sequences; shrink each item to what was drafted."""
+        items = [item for item in sched.scheduled if item.seq.spec_tokens]
+        if self.draft is None or not items:
+            return proposals
+        seqs = [item.seq for item in items]
+        drafted = self.draft.propose(seqs, [len(s.spec_tokens) for s in seqs])
+        for item, proposal in zip(items, drafted, strict=True):
+            item.seq.spec_tokens = list(proposal.tokens)
+            item.num_new_tokens = item.num_logits = 1 + len(proposal.tokens)
+            proposals[item.seq.seq_id] = proposal
+        return proposals
+
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Release blocks that only held K/V of rejected drafts (positions >= num_tokens)."""
+        keep = -(-seq.num_tokens // self.config.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.free_blocks(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _sampling_jobs(self, item: ScheduledSeq, row: int) -> list[tuple[Sequence, int]]:
         seq = item.seq
@@ -300,7 +383,8 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _emit(self, seq: Sequence, token: int, now: float, logprob) -> None:
+    def _emit(self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None) -> bool:
+        """Append one token; True when the sequence finished (its blocks are then already free)."""
         request = seq.request
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -309,11 +393,13 @@ class LLMEngine:
             request.metrics.first_token_time = now
         self.counters.generated_tokens += 1
         eos = [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
-        if append_token(seq, token, eos, self.max_model_len):
-            self.scheduler.remove(seq)
-            if request.finished:
-                request.metrics.finished_time = now
-                self.counters.requests_finished += 1
+        if not append_token(seq, token, eos, self.max_model_len):
+            return False
+        self.scheduler.remove(seq)
+        if request.finished:
+            request.metrics.finished_time = now
+            self.counters.requests_finished += 1
+        return True
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         request.error = f"{type(exc).__name__}: {exc}"
@@ -357,4 +443,5 @@ class LLMEngine:
             "requests_finished": c.requests_finished,
             "requests_aborted": c.requests_aborted,
             "requests_failed": c.requests_failed,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

@@ -1,10 +1,12 @@
 """Packs one scheduled iteration into tensors, runs the model, and returns the logits it needs.
 
-Row order of the returned logits: for each scheduled sequence in order, its last `num_logits` query
-positions. Batch metadata is built with one pass over the sequences and one tensor copy per field.
+Row order of the returned logits: for each span in order, its last `num_logits` query positions.
+Batch metadata is built with one pass over the spans and one tensor copy per field.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,52 +40,61 @@ class KVCache:
             self.tensor[:, :, dst] = self.tensor[:, :, src]
 
 
+@dataclass
+class Span:
+    """New tokens of one sequence for one forward pass: `tokens` sit at positions start.. in `block_table`."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int  # trailing rows whose logits are needed
+
+
+def spans_of(sched: SchedulerOutput) -> list[Span]:
+    """The scheduled work as spans; a decoding sequence's span ends with its draft tokens to verify."""
+    spans = []
+    for item in sched.scheduled:
+        seq = item.seq
+        start = seq.num_computed_tokens
+        tokens = seq.token_ids[start : start + item.num_new_tokens]
+        tokens += seq.spec_tokens[: item.num_new_tokens - len(tokens)]
+        spans.append(Span(tokens, start, seq.block_table, item.num_logits))
+    return spans
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, attention: AttentionFn) -> None:
         self.model = model
         self.cache = cache
         self.attention = attention
 
-    def execute(self, sched: SchedulerOutput, num_layers: int | None = None) -> torch.Tensor:
-        """Forward pass for the scheduled tokens; logits [rows, vocab] float32."""
-        self.cache.copy_blocks(sched.block_copies)
+    def execute(self, spans: list[Span], num_layers: int | None = None) -> torch.Tensor:
+        """Forward pass over the spans; logits [rows, vocab] float32 (rows in span order)."""
         bs = self.cache.block_size
         tokens: list[int] = []
-        starts, query_lens, seq_lens, tables, logit_rows = [], [], [], [], []
-        row = 0
-        for item in sched.scheduled:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            span = seq.token_ids[start:end]
-            if len(span) < item.num_new_tokens:  # the tail is draft tokens awaiting verification
-                span = span + seq.spec_tokens[: item.num_new_tokens - len(span)]
-            tokens.extend(span)
-            starts.append(start)
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(seq.block_table)
-            row += item.num_new_tokens
-            logit_rows.extend(range(row - item.num_logits, row))
-
-        q_lens = np.asarray(query_lens, dtype=np.int64)
-        # positions: start_i + 0..q_len_i-1 for each sequence, built without a per-token loop.
+        logit_rows: list[int] = []
+        for span in spans:
+            tokens.extend(span.tokens)
+            logit_rows.extend(range(len(tokens) - span.num_logits, len(tokens)))
+        q_lens = np.fromiter((len(s.tokens) for s in spans), dtype=np.int64, count=len(spans))
+        starts = np.fromiter((s.start for s in spans), dtype=np.int64, count=len(spans))
+        seq_lens = starts + q_lens
+        # positions: start_i + 0..q_len_i-1 for each span, built without a per-token loop.
         offsets = np.arange(q_lens.sum()) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
-        positions = np.repeat(np.asarray(starts, dtype=np.int64), q_lens) + offsets
-        width = max(len(t) for t in tables)
-        table_array = np.zeros((len(tables), width), dtype=np.int64)
-        for i, table in enumerate(tables):
-            table_array[i, : len(table)] = table
-        seq_index = np.repeat(np.arange(len(tables)), q_lens)
-        slots = table_array[seq_index, positions // bs] * bs + positions % bs
+        positions = np.repeat(starts, q_lens) + offsets
+        width = max(len(s.block_table) for s in spans)
+        table_array = np.zeros((len(spans), width), dtype=np.int64)
+        for i, span in enumerate(spans):
+            table_array[i, : len(span.block_table)] = span.block_table
+        slots = table_array[np.repeat(np.arange(len(spans)), q_lens), positions // bs] * bs + positions % bs
 
         device = self.model.device
         meta = AttentionMetadata(
             cu_seqlens_q=torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)])).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
             block_tables=torch.from_numpy(table_array).to(device),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+            query_lens_host=q_lens.tolist(),
+            seq_lens_host=seq_lens.tolist(),
             block_size=bs,
         )
         hidden = self.model.forward(
