@@ -65,3 +65,31 @@ def paged_reference_attention(
         out[start : start + n] = reference_attention(q[start : start + n], k, v, scale, None, compute_dtype)
         start += n
     return out
+
+
+def random_paged_inputs(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q and caches with each sequence's blocks scattered through the pool in shuffled order,
+    as a busy block pool leaves them, plus one spare block so table padding points at foreign data."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    pool = sum(blocks) + 1
+    perm = torch.randperm(pool, generator=gen).tolist()
+    tables, start = [], 0
+    for n in blocks:
+        tables.append(perm[start : start + n])
+        start += n
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    shape = (pool, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn((sum(query_lens), num_q_heads, head_dim), generator=gen).to(dtype)
+    return q, k, v, meta

@@ -36,8 +36,8 @@ def _padded_decode(
     kpos = torch.arange(max_s, device=dev)
     col = torch.div(kpos, meta.block_size, rounding_mode="floor")
     slot = (meta.block_tables[seqs][:, col] * meta.block_size + kpos % meta.block_size).flatten()
-    k = k_cache.view(-1, hkv, d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
-    v = v_cache.view(-1, hkv, d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
+    k = k_cache.view(-1, hkv * d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
+    v = v_cache.view(-1, hkv * d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
     qb = q.index_select(0, rows.clamp_max(q.shape[0] - 1).flatten()).view(len(seqs), max_q, -1, d)
     mask = (kpos <= qpos.unsqueeze(-1)) & (kpos < slen.view(-1, 1, 1))  # [B, Qmax, Smax]
     res = F.scaled_dot_product_attention(

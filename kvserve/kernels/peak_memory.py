@@ -20,9 +20,7 @@ def peak_extra_memory(fn: Callable[[], T]) -> tuple[T, int]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     # kineto_results is the profiler's raw event list; FunctionEvent views fold allocations into ops.
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes

@@ -1,0 +1,80 @@
+"""GPU check of the Triton kernels: relative error against the float64 oracle, and time against torch
+SDPA (one padded call per batch, the strongest plain-torch baseline). Run via gpu_attention_check.sh."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
+from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.triton import triton_decode_attention, triton_prefill_attention
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B-like attention, so the GPU has real work
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+CASES = [  # (name, query_lens, seq_lens)
+    ("prefill 1x1024", [1024], [1024]),
+    ("prefill 1x4096", [4096], [4096]),
+    ("prefill 512 after 3584 cached", [512], [4096]),
+    ("prefill 8 mixed", [100, 300, 700, 1000, 57, 1, 2000, 33], [100, 900, 700, 3000, 57, 1, 2000, 64]),
+    ("decode 1x4096", [1], [4096]),
+    ("decode 64x2048", [1] * 64, [2048] * 64),
+    ("decode 256x1024", [1] * 256, [1024] * 256),
+    ("verify 32x(4 of 2048)", [4] * 32, [2048] * 32),
+]
+
+
+def time_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def sdpa_padded(dtype: torch.dtype, qlens: list[int], slens: list[int]) -> Callable[[], torch.Tensor]:
+    """SDPA on contiguous padded [B, H, L, D] tensors, no paging and no gather: a baseline that favours
+    SDPA. Causal (top-left) only when no sequence has a cached prefix, else unmasked (more work)."""
+    b, max_q, max_s = len(qlens), max(qlens), max(slens)
+    qb = torch.randn(b, HQ, max_q, D, device="cuda", dtype=dtype)
+    kb = torch.randn(b, HKV, max_s, D, device="cuda", dtype=dtype)
+    vb = torch.randn_like(kb)
+    causal = max_q > 1 and all(a == s for a, s in zip(qlens, slens, strict=True))
+    return functools.partial(F.scaled_dot_product_attention, qb, kb, vb, is_causal=causal, enable_gqa=True)
+
+
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'case':<32} {'dtype':<9} {'kernel':<8} {'rel err':>9} {'ok':>3} {'ms':>8} {'sdpa ms':>8}")
+    failures = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, qlens, slens in CASES:
+            q, k, v, meta = random_paged_inputs(qlens, slens, HQ, HKV, D, BLOCK, dtype)
+            q, k, v = q.cuda(), k.cuda(), v.cuda()
+            meta = AttentionMetadata.build(qlens, slens, meta.block_tables.tolist(), BLOCK, "cuda")
+            scale = D**-0.5
+            ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, scale, torch.float64)
+            decode = max(qlens) <= 8
+            kernel = "decode" if decode else "prefill"
+            fn = triton_decode_attention if decode else triton_prefill_attention
+            out = fn(q, k, v, meta, scale)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            ok = err < TOLERANCE[dtype] and bool(torch.isfinite(out).all())
+            failures += not ok
+            ms = time_ms(functools.partial(fn, q, k, v, meta, scale))
+            base = time_ms(sdpa_padded(dtype, qlens, slens))
+            label = str(dtype).removeprefix("torch.")
+            print(f"{name:<32} {label:<9} {kernel:<8} {err:>9.2e} {'yes' if ok else 'NO':>3} {ms:>8.3f} {base:>8.3f}")
+    print("all within tolerance" if not failures else f"{failures} case(s) out of tolerance")
+    raise SystemExit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
