@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvserve.config import EngineConfig
@@ -56,9 +57,40 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kvserve.server.launch import serve
+
+    serve(
+        engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, models, health, metrics)")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $KVSERVE_API_KEY)",
+    )
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
+    srv.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
+    )
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt on the local engine")
     add_engine_args(gen)

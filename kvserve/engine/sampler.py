@@ -32,6 +32,7 @@ def policy_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps[:, None]
+        drop_sorted[:, 0] = False  # a top_p that rounds to 0 in float32 would otherwise drop every token
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = scaled.softmax(dim=-1)
@@ -41,9 +42,7 @@ def policy_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return probs
 
 
-def sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> list[int]:
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """One token per row; each row draws only from its own generator."""
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()

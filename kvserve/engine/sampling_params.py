@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     n: int = 1
     max_tokens: int = 16
-    # 0 means greedy (argmax); the same request then always gives the same tokens.
+    # 0 (or anything below GREEDY_BELOW_TEMPERATURE) means greedy: argmax, the same tokens every time.
     temperature: float = 1.0
     top_p: float = 1.0
     # 0 or -1 disables top-k.
@@ -40,9 +42,7 @@ class SamplingParams:
             ),
             (
                 "max_tokens",
-                isinstance(self.max_tokens, int)
-                and not isinstance(self.max_tokens, bool)
-                and self.max_tokens >= 1,
+                isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
                 "an integer >= 1",
             ),
             ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number >= 0"),
@@ -67,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature overflows float32; the distribution is one-hot anyway (as vLLM).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _is_number(value: object) -> bool:

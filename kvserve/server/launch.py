@@ -1,0 +1,71 @@
+"""`kvserve serve`: the engine loop, the app and uvicorn, with a draining shutdown.
+
+On the first SIGTERM/SIGINT the server stops admitting (503, /health says "draining"), lets in-flight
+requests finish for up to drain_timeout_s, aborts what is left, then lets uvicorn close. A second
+signal exits at once, as uvicorn does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from types import FrameType
+
+import uvicorn
+
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.openai_api import build_app
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Future[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or self._drain is not None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        # Signal handlers run between bytecodes of the loop's thread: hand the work to the loop.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            logger.info(
+                "draining: refusing new requests, waiting up to %.0f s for in-flight ones", self.drain_timeout_s
+            )
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        await self.async_engine.drain(self.drain_timeout_s)
+        self.should_exit = True
+
+
+def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    drain_timeout_s: float = 30.0,
+    log_level: str = "info",
+) -> None:
+    async_engine = AsyncEngine(LLMEngine(config)).start()
+    try:
+        app = build_app(async_engine, api_key, served_model_name)
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        DrainingServer(uv_config, async_engine, drain_timeout_s).run()
+    finally:
+        async_engine.shutdown()

@@ -1,0 +1,202 @@
+"""The FastAPI app: OpenAI-compatible completions and chat (plain and SSE), models, health, metrics.
+
+A generation request is admitted (all its prompts queued in the engine) before any response byte is
+sent, so every refusal — bad input 400, unknown model 404, full queue 429, draining 503 — is an HTTP
+status with an OpenAI error body. Once admitted, its stream is released exactly once, however the
+response ends: a client that goes away aborts it (blocks freed before the next iteration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from kvserve.engine.engine import QueueFullError
+from kvserve.engine.outputs import RequestOutput
+from kvserve.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from kvserve.server.auth import BearerAuth
+from kvserve.server.chat import ChatFlavor
+from kvserve.server.completions import CompletionsFlavor
+from kvserve.server.errors import APIError, error_response, install_error_handlers
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from kvserve.server.streaming import Flavor, ResponseMeta, failure_of, sse_events, usage_of
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)
+}
+
+
+class _Generator:
+    """Admission, tracking and response shaping shared by both generation endpoints."""
+
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str) -> None:
+        self.async_engine = async_engine
+        self.metrics = metrics
+        self.model_name = model_name
+
+    async def __call__(self, request: Request, body: Any, flavor: Flavor, id_prefix: str) -> Response:
+        arrival = time.perf_counter()
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        meta = ResponseMeta(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, body.n)
+        try:
+            prompts, params = flavor.prepare(body)
+            stream = await self.async_engine.submit(meta.id, prompts, params, body.cache_salt, arrival)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        except QueueFullError as exc:
+            raise APIError(429, f"server busy: {exc}; retry later") from exc
+        except EngineUnavailableError as exc:
+            raise APIError(503, str(exc)) from exc
+
+        endpoint = request.url.path
+        if body.stream:
+            events = sse_events(stream, flavor, meta, body.include_usage, body.continuous_usage)
+            return _SSEResponse(events, on_close=lambda: self._close(stream, endpoint))
+        try:
+            outputs = await _collect(stream, request)
+        except Exception as exc:  # the engine failed this request (counted as "failed" by _close)
+            return error_response(500, f"request failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._close(stream, endpoint)
+        if outputs is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        if (failure := failure_of(outputs)) is not None:
+            return error_response(500, f"request failed: {failure}")
+        return _json(flavor.response(meta, outputs, usage_of(outputs)))
+
+    def _close(self, stream: RequestStream, endpoint: str) -> None:
+        """Release the stream (aborting unfinished requests) and count the outcome, once."""
+        if not self.async_engine.release(stream):
+            return
+        outputs = stream.outputs
+        if stream.error is not None or failure_of(outputs):
+            outcome = "failed"
+        elif not stream.finished:
+            outcome = "disconnected"
+        elif any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
+            outcome = "aborted"  # cut short by a drain
+        else:
+            outcome = "success"
+            for output in outputs:
+                self.metrics.observe_finished(output)
+        self.metrics.requests.labels(endpoint, outcome).inc()
+
+
+class _SSEResponse(StreamingResponse):
+    """An event stream that runs on_close however it ends: finished, failed, or the client gone —
+    also when the client left before the body iterator ever started (its own finally never runs then)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _collect(stream: RequestStream, request: Request) -> list[RequestOutput] | None:
+    """The final snapshots, or None if the client disconnected first."""
+
+    async def last() -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        async for snapshot in stream:
+            outputs = snapshot
+        return outputs
+
+    async def disconnected() -> None:
+        # Once the body has been read, receive() returns only when the client disconnects.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result = asyncio.ensure_future(last())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not result.done():
+            result.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await result
+    return None if result.cancelled() else result.result()
+
+
+def _json(model: BaseModel) -> Response:
+    # Pydantic writes non-finite floats (a -inf logprob) as null, where json.dumps would fail.
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def build_app(async_engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    engine = async_engine.engine
+    model_name = served_model_name or engine.model_name
+    created = int(time.time())
+    app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", version="0.1.0")
+    metrics = ServerMetrics(async_engine)
+
+    def count_rejection(path: str, status: int) -> None:
+        if path in GENERATION_PATHS:
+            metrics.requests.labels(path, f"rejected_{status}").inc()
+
+    install_error_handlers(app, count_rejection)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key, on_reject=count_rejection)
+    generate = _Generator(async_engine, metrics, model_name)
+    completions = CompletionsFlavor(engine.tokenizer)
+    chat = ChatFlavor(engine.tokenizer, engine.max_model_len)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await generate(request, body, completions, "cmpl")
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(request, body, chat, "chatcmpl")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if async_engine.error is not None:
+            return JSONResponse({"status": "error", "error": async_engine.error}, status_code=503)
+        if async_engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
