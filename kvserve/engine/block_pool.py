@@ -111,7 +111,3 @@ class BlockPool:
             if self._cached.get(identity.hash) == block:
                 del self._cached[identity.hash]
                 self.stats.evictions += 1
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._free):
-            self._evict(block)

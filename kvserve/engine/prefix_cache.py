@@ -34,9 +34,7 @@ class BlockIdentity:
     token_ids: tuple[int, ...]
 
 
-def block_identity(
-    parent: bytes | None, key_digest: bytes, index: int, token_ids: list[int]
-) -> BlockIdentity:
+def block_identity(parent: bytes | None, key_digest: bytes, index: int, token_ids: list[int]) -> BlockIdentity:
     digest = hashlib.sha256()
     digest.update(parent or b"\0" * 32)
     digest.update(key_digest)

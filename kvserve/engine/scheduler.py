@@ -7,8 +7,9 @@ Each call to `schedule()` plans exactly one forward pass:
 2. If a running sequence needs a KV block and none is free, the most recently arrived running
    sequence is preempted: its blocks are freed and it rejoins the waiting queue to be recomputed.
    The oldest work always proceeds, so every request finishes (no starvation).
-3. Waiting requests are admitted in arrival order while the token budget, `max_num_seqs` and free
-   blocks allow; a request that does not fit blocks those behind it (strict FCFS).
+3. Waiting requests are admitted in arrival order while the token budget, `max_num_seqs` (counting the
+   n samples a request forks into) and free blocks allow; a request that does not fit blocks those
+   behind it (strict FCFS).
 Prefix-cache hits are taken on admission: matched full blocks are shared, not recomputed.
 """
 
@@ -116,11 +117,7 @@ class Scheduler:
                 continue
             while not self._reserve(seq, seq.num_computed_tokens + want, out):
                 victim = next(
-                    (
-                        s
-                        for s in reversed(running)
-                        if s.status is SeqStatus.RUNNING and s.seq_id not in scheduled_ids
-                    ),
+                    (s for s in reversed(running) if s.status is SeqStatus.RUNNING and s.seq_id not in scheduled_ids),
                     None,
                 )
                 if victim is None:
@@ -142,8 +139,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            n_after_fork = seq.request.params.n if seq.num_output_tokens == 0 and seq.index == 0 else 1
-            if len(self.running) + n_after_fork > self.max_num_seqs and self.running:
+            if sum(map(_seq_slots, self.running)) + _seq_slots(seq) > self.max_num_seqs and self.running:
                 break
             hits = self._match_prefix(seq) if seq.num_computed_tokens == 0 else []
             computed = len(hits) * self.block_size if hits else seq.num_computed_tokens
@@ -166,8 +162,13 @@ class Scheduler:
                 self.pool.incref(block)
             seq.block_table = list(hits)
             seq.num_computed_tokens = computed
-            if seq.request.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+            if seq.num_preemptions == 0:
+                # A request's first admission (forked samples are only admitted after a preemption):
+                # count it once, however long it waited, and keep its report when it is recomputed.
                 seq.request.num_cached_tokens = computed
+                if self.pool.enable_caching:
+                    self.pool.stats.queries += seq.num_tokens
+                    self.pool.stats.hits += computed
             for _ in range(blocks_needed):
                 seq.block_table.append(self.pool.allocate())
             seq.status = SeqStatus.RUNNING
@@ -184,18 +185,13 @@ class Scheduler:
         if not self.pool.enable_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        extend_block_hashes(
-            seq.block_hashes, seq.token_ids, max_blocks, self.block_size, seq.request.cache_key_digest
-        )
+        extend_block_hashes(seq.block_hashes, seq.token_ids, max_blocks, self.block_size, seq.request.cache_key_digest)
         hits: list[int] = []
         for index in range(max_blocks):
             block = self.pool.lookup(identity_at(seq.block_hashes, seq.token_ids, index, self.block_size))
             if block is None:
                 break
             hits.append(block)
-        if seq.num_output_tokens == 0:
-            self.pool.stats.queries += seq.num_tokens
-            self.pool.stats.hits += len(hits) * self.block_size
         return hits
 
     def _has_room(self, seq: Sequence, total_tokens: int) -> bool:
@@ -246,10 +242,13 @@ class Scheduler:
             full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
             if full <= seq.num_registered_blocks:
                 continue
-            extend_block_hashes(
-                seq.block_hashes, seq.token_ids, full, self.block_size, seq.request.cache_key_digest
-            )
+            extend_block_hashes(seq.block_hashes, seq.token_ids, full, self.block_size, seq.request.cache_key_digest)
             for index in range(seq.num_registered_blocks, full):
                 identity = identity_at(seq.block_hashes, seq.token_ids, index, self.block_size)
                 self.pool.register(seq.block_table[index], identity)
             seq.num_registered_blocks = full
+
+
+def _seq_slots(seq: Sequence) -> int:
+    """Running sequences `seq` will count for: a request's first sample forks into n after its prompt."""
+    return seq.request.params.n if seq.index == 0 and seq.num_output_tokens == 0 else 1
