@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--json", action="store_true", help="print prompt_ids, token_ids and text as JSON")
     gen.set_defaults(func=_generate)
+
+    from kvserve.bench.cli import register
+
+    bench = sub.add_parser("bench", help="measure: workloads, replay against servers or offline, analyze, plot")
+    register(bench.add_subparsers(dest="bench_command", required=True))
     return parser
 
 

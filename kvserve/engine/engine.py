@@ -184,8 +184,9 @@ class LLMEngine:
                 f"max_tokens={params.max_tokens} with a {prompt_len}-token prompt exceeds the model's context "
                 f"of {self.max_model_len} tokens"
             )
-        if params.n > self.config.max_n:
-            raise ValueError(f"n must be at most {self.config.max_n}, got {params.n}")
+        limit = min(self.config.max_n, self.config.max_num_seqs)
+        if params.n > limit:
+            raise ValueError(f"n must be at most {limit} (max_n, max_num_seqs), got {params.n}")
         blocks = -(-(prompt_len + params.max_tokens) // self.config.block_size)
         if blocks > self.pool.num_blocks:
             raise ValueError(
@@ -264,17 +265,26 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         emissions: list[tuple[Sequence, list[int], list]] = []
         if jobs:
-            rows = torch.tensor([r for _, r in jobs], device=logits.device)
-            selected = logits.index_select(0, rows)
             seqs = [s for s, _ in jobs]
-            tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
-            logprobs = self._logprobs(selected, tokens, seqs)
+            try:
+                selected = logits.index_select(0, torch.tensor([r for _, r in jobs], device=logits.device))
+                tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
+                logprobs = self._logprobs(selected, tokens, seqs)
+            except Exception as exc:  # batched sampling failed: fail exactly the requests it served
+                logger.exception("sampling failed")
+                return [self._fail(s.request, exc) for s in seqs]
             emissions.extend(
                 (seq, [token], [logprobs[i]] if logprobs else None)
                 for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
             )
         for seq, rows in verifications:
-            emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
+            try:
+                emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
+            except Exception as exc:
+                logger.exception("verification failed for request %s", seq.request.request_id)
+                touched[seq.request.request_id] = seq.request
+                self._fail(seq.request, exc)
+                continue
             seq.num_computed_tokens += len(emitted) - 1
             seq.spec_tokens = []
             logprobs = self._logprobs(rows[: len(emitted)], emitted, [seq] * len(emitted))

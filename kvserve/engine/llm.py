@@ -75,7 +75,5 @@ def _per_prompt(value: Any, count: int, name: str, kind: type) -> list[Any]:
         return [value] * count
     values = list(value)
     if len(values) != count:
-        raise ValueError(
-            f"{name} must be one value or a list with one per prompt ({count}), got {len(values)}"
-        )
+        raise ValueError(f"{name} must be one value or a list with one per prompt ({count}), got {len(values)}")
     return values

@@ -112,9 +112,7 @@ def read_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Ten
         elif name.endswith("k_proj.weight"):
             array = _unpermute_rope_rows(array, config.num_kv_heads)
         # dequantize may return a read-only view of the memory-mapped file; torch needs a writable array.
-        tensors[name] = torch.from_numpy(
-            np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable)
-        )
+        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable))
     return tensors
 
 

@@ -19,9 +19,7 @@ def read_hf_config(directory: Path) -> tuple[ModelConfig, dict[str, Any]]:
     raw = json.loads(path.read_text())
     model_type = raw.get("model_type", "llama")
     if model_type not in ("llama", "mistral"):
-        raise ValueError(
-            f"only Llama-family models are supported, config.json says model_type={model_type!r}"
-        )
+        raise ValueError(f"only Llama-family models are supported, config.json says model_type={model_type!r}")
     heads = raw["num_attention_heads"]
     scaling = raw.get("rope_scaling")
     config = ModelConfig(

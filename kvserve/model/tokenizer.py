@@ -50,9 +50,7 @@ class TokenizerWrapper:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if data.pre_tokenizer in _DIGIT_SPLITTING_PRE_TOKENIZERS:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         else:
             tok.pre_tokenizer = byte_level
         tok.decoder = decoders.ByteLevel()
