@@ -9,22 +9,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
+from kvserve.model.linear import LinearFn, make_linear
 from kvserve.model.weights import ModelWeights
+
+
+class LayerLinears(NamedTuple):
+    qkv_proj: LinearFn
+    o_proj: LinearFn
+    gate_up_proj: LinearFn
+    down_proj: LinearFn
+
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Variance in float32 whatever the model dtype, as the reference implementation does.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    # The fused kernel keeps the variance in float32 for bf16 input and matches the unfused
+    # reference (x * rsqrt(mean(x^2) + eps) * weight) bit for bit in float32.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_tables(config: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +70,11 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.weights = weights.to(dtype, device)
+        self.linears = [
+            LayerLinears(*(make_linear(getattr(layer, name)) for name in LayerLinears._fields))
+            for layer in self.weights.layers
+        ]
+        self.lm_head = make_linear(self.weights.lm_head)
         cos, sin = rope_tables(config, max_len, device)
         self.rope_cos = cos.to(dtype)
         self.rope_sin = sin.to(dtype)
@@ -86,24 +100,25 @@ class LlamaModel:
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
         t = input_ids.shape[0]
-        for index, layer in enumerate(w.layers[:num_layers]):
+        for index, (layer, linear) in enumerate(zip(w.layers[:num_layers], self.linears, strict=False)):
             x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(x, layer.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk, v = linear.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # q and k heads rotate together: one RoPE application instead of two.
+            qk = apply_rope(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
             k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slot_mapping, k)
             v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(
                 0, slot_mapping, v.view(t, cfg.num_kv_heads, cfg.head_dim)
             )
             o = attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(o.reshape(t, self.q_size), layer.o_proj)
+            h = h + linear.o_proj(o.reshape(t, self.q_size))
             x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_proj)
+            gate, up = linear.gate_up_proj(x).chunk(2, dim=-1)
+            h = h + linear.down_proj(F.silu(gate) * up)
         return rms_norm(h, w.final_norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows only (callers select the rows they sample from)."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self.lm_head(hidden).float()

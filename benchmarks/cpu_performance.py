@@ -1,0 +1,205 @@
+"""CPU performance, side by side in one run: kvserve offline, kvserve served over HTTP, HF transformers,
+and any peer servers you have running (vLLM-CPU, llama.cpp's llama-server; see ../shared/peers/ for
+their set-up), all on the same model, workload and dtype.
+
+Rows:
+- offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py);
+- batch-1 decode: one 128-token prompt, 128 outputs: TPOT, and per-step time outside matrix products
+  (the Python/op overhead, from the torch profiler over a few steps);
+- served: `kvserve serve` started here, driven by kvserve's replay client (`kvserve bench serve`):
+  100 requests 128/128 all at once; Poisson 2 req/s x 60; max-concurrency 1 x 6;
+  the same client against every `--peer NAME=URL` (an OpenAI-compatible server already running).
+Prints a table of output tok/s, TTFT and TPOT p50/p99, failures and peak RSS, with ratios to kvserve;
+writes JSON.
+
+    python benchmarks/cpu_performance.py [--dtype bfloat16] [--skip-hf] [--skip-served]
+        [--peer vllm=http://127.0.0.1:8001 --peer llamacpp=http://127.0.0.1:8002]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from offline_throughput import random_prompts, run_hf, run_kvserve
+from torch.profiler import ProfilerActivity, profile
+
+from kvserve import LLM, SamplingParams
+from kvserve.bench.generators import LengthDist, random_workload
+from kvserve.bench.metrics import summarize
+from kvserve.bench.replay import ReplayConfig, replay
+
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+SERVED_RUNS = {  # name: (requests, rate per second, max concurrency, seed)
+    "served 100x128/128 all at once": (100, float("inf"), None, 1),
+    "served Poisson 2 req/s x 60": (60, 2.0, None, 2),
+    "served batch 1 (concurrency 1) x 6": (6, float("inf"), 1, 3),
+}
+
+
+def batch1_decode(dtype: str, prompt_len: int = 128, output_len: int = 128) -> dict[str, Any]:
+    llm = LLM(dtype=dtype, enable_prefix_caching=False)
+    prompt = random_prompts(1, prompt_len, seed=5)
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))[0]
+    times = out.metrics.token_times
+    tpot = (times[-1] - times[0]) / (len(times) - 1)
+
+    engine = llm.engine
+    engine.add_request("profiled", prompt[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    steps = 16
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - start) / steps
+    matmul_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATMUL_OPS) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {
+        "tpot_ms": tpot * 1000,
+        "profiled_step_ms": wall * 1000,
+        "matmul_ms_per_step": matmul_us / 1000,
+        "overhead_ms_per_step": wall * 1000 - matmul_us / 1000,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def start_kvserve(dtype: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--dtype", dtype]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("kvserve serve exited during start-up")
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("kvserve serve did not become healthy")
+
+
+def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
+    rows = []
+    for run, (count, rate, concurrency, seed) in SERVED_RUNS.items():
+        # Fresh prompts per run (a different seed): no run is served from a warm prefix cache.
+        workload = random_workload(count, rate, LengthDist.parse("128"), LengthDist.parse("128"), seed=seed)
+        cfg = ReplayConfig(base_url=url, model=model, max_concurrency=concurrency, warmup=2, quiet=True, seed=seed)
+        records, _ = replay(workload, cfg)
+        s = summarize(records)
+        rows.append(
+            {
+                "engine": name,
+                "run": run,
+                "output_tok_s": s["output_throughput"],
+                "ttft_p50_ms": s["median_ttft_ms"],
+                "ttft_p99_ms": s["p99_ttft_ms"],
+                "tpot_p50_ms": s["median_tpot_ms"],
+                "tpot_p99_ms": s["p99_tpot_ms"],
+                "failed": s["failed"],
+            }
+        )
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    return "–" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--peer", action="append", default=[], help="NAME=URL of a running OpenAI-compatible server")
+    parser.add_argument("--peer-model", default=None, help="model name the peers serve (default: ask /v1/models)")
+    parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    prompts = random_prompts(64, 128)
+    offline = [run_kvserve(prompts, 128, args.dtype)]
+    if not args.skip_hf:
+        offline.append(run_hf(prompts, 128, args.dtype))
+    results["offline"] = offline
+    results["batch1"] = batch1_decode(args.dtype)
+
+    served: list[dict[str, Any]] = []
+    if not args.skip_served:
+        proc, url = start_kvserve(args.dtype)
+        try:
+            served += served_runs("kvserve", url, "smollm2-135m-instruct")
+        finally:
+            results["kvserve_server_peak_rss_mb"] = _peak_rss_mb(proc.pid)
+            proc.terminate()
+            proc.wait(timeout=60)
+        for peer in args.peer:
+            name, _, peer_url = peer.partition("=")
+            model = args.peer_model or httpx.get(peer_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            served += served_runs(name, peer_url, model)
+    results["served"] = served
+
+    print(f"\n## offline 64 x 128/128, {args.dtype}, {results['threads']} threads")
+    print("| engine | output tok/s | kvserve / engine |\n|---|---|---|")
+    for row in offline:
+        print(
+            f"| {row['engine']} | {row['output_tok_s']:.1f} | {offline[0]['output_tok_s'] / row['output_tok_s']:.2f} |"
+        )
+    b1 = results["batch1"]
+    print(
+        f"\n## batch-1 decode: TPOT {b1['tpot_ms']:.1f} ms; per step {b1['profiled_step_ms']:.1f} ms under the "
+        f"profiler, of which matmuls {b1['matmul_ms_per_step']:.1f} ms, "
+        f"everything else {b1['overhead_ms_per_step']:.1f} ms"
+    )
+    if served:
+        print("\n## served (kvserve replay client, token-id prompts, ignore EOS)")
+        print("| run | engine | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | failed | kvserve tok/s ratio |")
+        print("|---|---|---|---|---|---|---|")
+        base = {r["run"]: r["output_tok_s"] for r in served if r["engine"] == "kvserve"}
+        for r in served:
+            ratio = base.get(r["run"], 0) / r["output_tok_s"] if r["output_tok_s"] else None
+            print(
+                f"| {r['run']} | {r['engine']} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_ms'])} / "
+                f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'])} / {_fmt(r['tpot_p99_ms'])} | {r['failed']} | "
+                f"{_fmt(ratio)} |"
+            )
+        print(f"\nkvserve server peak RSS: {_fmt(results.get('kvserve_server_peak_rss_mb'))} MB")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

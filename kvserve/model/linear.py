@@ -1,0 +1,37 @@
+"""y = x @ W^T with W kept in the layout the device's fastest kernel wants.
+
+On CPUs with oneDNN, bf16 weights pre-packed into oneDNN's blocked layout run 1.5-2x faster than
+F.linear (which re-reads a plain layout every call): measured on this 2-core Xeon with AMX, one
+thread, a 3072x576 projection: 0.25 -> 0.175 ms at 1 row, 0.44 -> 0.24 ms at 64 rows; the 49152-row
+LM head 3.7 -> 2.3 ms. Anything else (float32, CUDA, a torch without the op) uses F.linear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _onednn_packing_works(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.ones(2, 3, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(probe, 1)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return out.shape == (1, 2) and bool((out == 3).all())
+
+
+def make_linear(weight: torch.Tensor) -> LinearFn:
+    """A function computing F.linear(x, weight) (no bias), as fast as this device allows."""
+    if _onednn_packing_works(weight):
+        # The batch-size hint only tunes the blocking; the packed weight accepts any number of rows.
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x: F.linear(x, weight)
