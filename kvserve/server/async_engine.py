@@ -21,6 +21,7 @@ from typing import Any
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.model.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,14 @@ class RequestStream:
         return self.outputs
 
 
+def request_ids_of(request_id: str, num_prompts: int) -> list[str]:
+    """The engine request ids of the prompts submitted together under one id."""
+    return [request_id] if num_prompts == 1 else [f"{request_id}-{i}" for i in range(num_prompts)]
+
+
 class AsyncEngine:
+    """The in-process `EngineClient` (engine_client.py)."""
+
     def __init__(self, engine: LLMEngine) -> None:
         # Read-only attributes of the engine (tokenizer, max_model_len, model_name) may be used anywhere.
         self.engine = engine
@@ -123,6 +131,18 @@ class AsyncEngine:
 
     # ---- requests (called from event loops) ----
     @property
+    def tokenizer(self) -> TokenizerWrapper:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def num_in_flight(self) -> int:
         return self._in_flight
 
@@ -143,7 +163,7 @@ class AsyncEngine:
         if self.error is not None:
             raise EngineUnavailableError(f"the engine loop has failed: {self.error}")
         loop = asyncio.get_running_loop()
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        ids = request_ids_of(request_id, len(prompts))
         stream = RequestStream(loop, ids)
         admitted: asyncio.Future[None] = loop.create_future()
 

@@ -15,13 +15,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.engine_client import EngineClient
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 # engine stats key -> (metric name, kind, help). Keys the engine does not report are skipped.
-_ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
+ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "num_running": ("kvserve_requests_running", "gauge", "Sequences in the running batch (n>1 counts each sample)"),
     "num_waiting": ("kvserve_requests_waiting", "gauge", "Sequences waiting for admission"),
     "in_flight_streams": ("kvserve_requests_in_flight", "gauge", "HTTP requests admitted and not yet answered"),
@@ -44,16 +44,19 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "generated_tokens": ("kvserve_generated_tokens", "counter", "Tokens generated"),
     "preemptions": ("kvserve_preemptions", "counter", "Sequences preempted for lack of KV blocks"),
     "step_failures": ("kvserve_step_failures", "counter", "Iterations that raised (their requests failed)"),
+    # Reported only by the router in front of several replicas (ray_client.py).
+    "replicas_healthy": ("kvserve_replicas_healthy", "gauge", "Engine replicas answering health probes"),
+    "router_retries": ("kvserve_router_retries", "counter", "Requests re-sent to another replica before any token"),
 }
 
 
 class _EngineCollector(Collector):
-    def __init__(self, async_engine: AsyncEngine) -> None:
+    def __init__(self, async_engine: EngineClient) -> None:
         self.async_engine = async_engine
 
     def collect(self) -> Iterator[Metric]:
         stats = self.async_engine.stats()
-        for key, (name, kind, doc) in _ENGINE_METRICS.items():
+        for key, (name, kind, doc) in ENGINE_METRICS.items():
             value = stats.get(key)
             if isinstance(value, int | float):
                 family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
@@ -64,7 +67,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, async_engine: AsyncEngine) -> None:
+    def __init__(self, async_engine: EngineClient) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "kvserve_http_requests",

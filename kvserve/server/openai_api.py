@@ -12,21 +12,23 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.engine import QueueFullError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.async_engine import AsyncEngine, EngineUnavailableError, RequestStream
+from kvserve.server.async_engine import EngineUnavailableError, RequestStream
 from kvserve.server.auth import BearerAuth
 from kvserve.server.chat import ChatFlavor
 from kvserve.server.completions import CompletionsFlavor
+from kvserve.server.engine_client import EngineClient
 from kvserve.server.errors import APIError, error_response, install_error_handlers
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
@@ -49,7 +51,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 class _Generator:
     """Admission, tracking and response shaping shared by both generation endpoints."""
 
-    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, async_engine: EngineClient, metrics: ServerMetrics, model_name: str) -> None:
         self.async_engine = async_engine
         self.metrics = metrics
         self.model_name = model_name
@@ -157,12 +159,19 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def build_app(async_engine: AsyncEngine, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
-    engine = async_engine.engine
-    model_name = served_model_name or engine.model_name
+def build_app(
+    async_engine: EngineClient,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    extra_collectors: Sequence[Collector] = (),
+) -> FastAPI:
+    """The app over one engine client; extra_collectors add to /metrics (e.g. per-replica series)."""
+    model_name = served_model_name or async_engine.model_name
     created = int(time.time())
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", version="0.1.0")
     metrics = ServerMetrics(async_engine)
+    for collector in extra_collectors:
+        metrics.registry.register(collector)
 
     def count_rejection(path: str, status: int) -> None:
         if path in GENERATION_PATHS:
@@ -172,8 +181,8 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None, served_mode
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, on_reject=count_rejection)
     generate = _Generator(async_engine, metrics, model_name)
-    completions = CompletionsFlavor(engine.tokenizer)
-    chat = ChatFlavor(engine.tokenizer, engine.max_model_len)
+    completions = CompletionsFlavor(async_engine.tokenizer)
+    chat = ChatFlavor(async_engine.tokenizer, async_engine.max_model_len)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -185,7 +194,7 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None, served_mode
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=async_engine.max_model_len)])
 
     @app.get("/health")
     async def health() -> JSONResponse:
