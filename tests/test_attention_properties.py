@@ -146,7 +146,10 @@ def test_masked_slots_do_not_leak() -> None:
         for pos in range(n):
             used[meta.block_tables[i, pos // 8], pos % 8] = True
     k[~used], v[~used] = 1e30, -1e30
-    meta.block_tables[0, 3:] = int(torch.nonzero(~used.any(1))[0])  # padding points at a stale block
+    tables = meta.block_tables.clone()
+    tables[0, 3:] = int(torch.nonzero(~used.any(1))[0])  # padding points at a stale block
+    # A new metadata object: kernels memoize per-metadata plans, so metadata is never modified after use.
+    meta = AttentionMetadata.build(meta.query_lens_host, meta.seq_lens_host, tables.tolist(), meta.block_size)
     for out in (
         tiled_attention(q, k, v, meta, scale),
         paged_decode_attention(q, k, v, meta, scale, kv_tile=4, num_splits=8),
@@ -154,3 +157,43 @@ def test_masked_slots_do_not_leak() -> None:
         sdpa_attention(q, k, v, meta, scale),
     ):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_one_plan_serves_every_layer() -> None:
+    """Each backend's per-metadata plan is built by the first layer and reused by the others, whose
+    queries and caches differ, and every layer's result still matches the oracle; other head shapes
+    plan anew."""
+    lens = [1, 3, 40, 1, 12]
+    meta = random_paged_inputs(lens, [90, 3, 100, 1, 300], 6, 2, 64, 16)[3]
+    for layer in range(3):
+        q, k, v, _ = random_paged_inputs(lens, [90, 3, 100, 1, 300], 6, 2, 64, 16, seed=layer)
+        q = strided(q) if layer == 1 else q
+        assert relative_error(tiled_attention(q, k, v, meta, 0.125), q, k, v, meta, 0.125) < 1e-5
+        assert relative_error(sdpa_attention(q, k, v, meta, 0.125), q, k, v, meta, 0.125) < 1e-5
+        if layer == 0:
+            plans = dict(meta.plans)
+        assert meta.plans == plans and all(meta.plans[key] is plan for key, plan in plans.items())
+    assert len(plans) == 2  # one per backend
+    q, k, v, _ = random_paged_inputs(lens, [90, 3, 100, 1, 300], 4, 1, 32, 16)
+    assert relative_error(tiled_attention(q, k, v, meta, 0.2), q, k, v, meta, 0.2) < 1e-5
+    assert len(meta.plans) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_tile", "num_splits"), [(None, 1), (7, 1), (None, 3), (7, 3)])
+def test_pure_decode_paths(dtype: torch.dtype, kv_tile: int | None, num_splits: int) -> None:
+    """One new token per sequence: the lean path (q and out used in place, one tile) and its multi-tile
+    and split-KV variants, with unequal lengths so that tiles need masks and items are reordered."""
+    seq_lens = [1, 17, 300, 64, 65, 2]
+    q, k, v, meta = random_paged_inputs([1] * 6, seq_lens, 9, 3, 64, 16, dtype)
+    q = strided(q)
+    out = paged_decode_attention(q, k, v, meta, 0.125, kv_tile=kv_tile, num_splits=num_splits)
+    assert relative_error(out, q, k, v, meta, 0.125) < TOLERANCE[dtype]
+    (plans,) = meta.plans.values()
+    assert (plans[0].dest is None) == (kv_tile is None and num_splits == 1)  # the lean path when expected
+    assert len(plans[0].tiles) == (1 if kv_tile is None else -(-300 // num_splits // kv_tile))
+
+
+def strided(q: torch.Tensor) -> torch.Tensor:
+    """The same q laid out heads-outermost, so not contiguous (the model may hand q over like that)."""
+    return q.transpose(0, 1).contiguous().transpose(0, 1)

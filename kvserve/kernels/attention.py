@@ -10,14 +10,21 @@ averages). Scores, max and sums are float32 whatever the cache dtype.
 Work is cut into *items*: a run of consecutive query rows of one sequence plus the range of its keys
 to visit. Prefill items are query tiles; decode items are a sequence's few new tokens, optionally
 split along the KV axis (flash-decoding) and merged afterwards with the same statistics. All items
-are processed together, vectorized over items and heads; the only Python loop is over KV tiles
-(plus a loop over KV heads around each matmul, which lets BLAS read K/V straight from the gathered
-[n, tile, Hkv, D] layout instead of copying it into head-major order). Items are sorted by how many
-keys they visit, so the items still active at tile t are a prefix and finished ones cost nothing.
+are processed together, vectorized over items and heads; the only Python loop is over KV tiles. K/V
+rows are gathered per (slot, KV head), so a tile lands head-major and each of its two products is
+one batched matmul over (item, KV head). Items are sorted by how many keys they visit, so the items
+still active at tile t are a prefix and finished ones cost nothing.
+
+Everything that depends only on the batch -- items, order, tiles, gather indices, causal masks, the
+decode/prefill partition -- is a *plan*, built by the first layer and memoized on the
+AttentionMetadata that every layer of the forward pass shares; each layer then only executes it:
+gathers, two matmuls and the softmax update per tile (about a dozen torch ops for a plain decode
+step, against ~70 when every layer planned for itself).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,101 +136,180 @@ def _decode_items(meta: AttentionMetadata, seqs: list[int] | None, num_splits: i
     return _Items(table, int(qlen.max()))
 
 
-def _attend(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    items: _Items,
-    kv_tile: int | None,
-    num_splits: int,
-    out: torch.Tensor,
-) -> None:
-    """Run the items and write their rows of out ([T + 1, Hq, D]; row T absorbs padding rows)."""
-    t_rows, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    group = hq // hkv
-    bs = meta.block_size
-    dev = q.device
+@dataclass
+class _Tile:
+    """One KV tile of a plan: which cache rows to gather and which scores to hide."""
 
+    n: int  # items still active: a prefix of the sorted items
+    index: torch.Tensor  # int64 [n * Hkv * kv_tile]: row slot * Hkv + head of the [slots * Hkv, D] cache view
+    mask_lo: int  # the mask covers items mask_lo .. mask_lo + len(mask) - 1
+    mask: torch.Tensor | None  # bool [m, 1, R, 1, kv_tile], True where a key is hidden from a row; None: none is
+
+
+@dataclass
+class _Plan:
+    """Everything about running one group of items that depends only on the metadata and the head shapes,
+    built once per AttentionMetadata and reused by every layer. Items are in sorted order (longest key
+    range first) when there are several tiles or empty items; else all are active at the one tile and
+    keep the given order."""
+
+    w: int  # items
+    rows_per_item: int  # R: query rows per item, padding rows included
+    kv_tile: int
+    num_splits: int
+    tiles: list[_Tile]
+    # Rows of q and out viewed as [tokens * Hkv, G * D] (token * Hkv + head) per (item, KV head, query row).
+    q_index: torch.Tensor | None  # int64 [W * Hkv * R], sorted items; None: q's rows are already in that order
+    inv: torch.Tensor | None  # int64 [W]: sorted order -> split-major order; None: already in that order
+    dest: torch.Tensor | None  # int64 [W / splits * Hkv * R], out row T * Hkv + head for padding; None: q's order
+    floor_max: bool  # some row sees no key of its item: floor its first max at M_FLOOR (an exp(-inf + inf) guard)
+    zero: torch.Tensor  # float32 scalar: the ignored input of baddbmm
+
+
+def _plan(
+    meta: AttentionMetadata,
+    items: _Items,
+    num_splits: int,
+    kv_tile: int | None,
+    t_rows: int,
+    shape: tuple[int, int, int],
+    dev: torch.device,
+) -> _Plan:
+    """Sort the items, cut their key ranges into tiles and precompute each tile's gather rows and causal
+    mask. Padding query rows (items with fewer than R rows) are left unmasked: they see keys, stay
+    finite and are discarded, so every row ends with den >= 1 and the final division needs no guard."""
+    group, hkv, d = shape
+    bs = meta.block_size
     kv_len = (items.kv_end - items.kv_start).clamp_min(0)
-    order = torch.argsort(kv_len, descending=True, stable=True)
-    w, rows_per_item = len(order), items.max_rows
-    mg = rows_per_item * group  # rows of one item's matrix: (query row, head within group)
+    w, rows_per_item = kv_len.numel(), items.max_rows
+    mg = rows_per_item * group  # rows of one (item, KV head) matrix: (query row, head within group)
     longest = int(kv_len.max())
     if kv_tile is None:
         kv_tile = max(16, TILE_BYTES // (w * hkv * (2 * d + mg) * 4))
     n_tiles = -(-longest // kv_tile)
     kv_tile = -(-longest // n_tiles)  # same tile count, equal tiles: no padded tail past the longest
-    tile_starts = torch.arange(n_tiles).unsqueeze(1) * kv_tile
-    active = (kv_len[order].unsqueeze(0) > tile_starts).sum(1).tolist()  # items alive at each tile
+    # Sorted, the items active at a tile are a prefix; with one tile and no empty item, all are active.
+    sort = n_tiles > 1 or int(kv_len.min()) == 0
+    order = torch.argsort(kv_len, descending=True, stable=True) if sort else torch.arange(w)
+    sorted_len = kv_len[order]
+    active = (sorted_len.unsqueeze(0) > torch.arange(n_tiles).unsqueeze(1) * kv_tile).sum(1).tolist()
     it = items.select(order, dev)
 
     j = torch.arange(rows_per_item, device=dev)
-    valid = j < it.nrows.unsqueeze(1)  # [W, M]
-    # Row r may see key p iff p <= qlim[r]: causal and inside the item's key range; -1 for padding.
-    qlim = torch.minimum(it.qpos0.unsqueeze(1) + j, it.kv_end.unsqueeze(1) - 1).masked_fill(~valid, -1)
-    qlim = qlim.unsqueeze(-1).expand(w, rows_per_item, group).reshape(w, mg, 1)  # per (row, head)
-    rows = torch.where(valid, it.row0.unsqueeze(1) + j, t_rows)  # padding rows -> out row T
-    q_items = q.index_select(0, rows.clamp_max(t_rows - 1).flatten()).view(w, rows_per_item, hkv, group, d)
-    q_items = q_items.permute(2, 0, 1, 3, 4).reshape(hkv, w, mg, d).float() * scale
+    valid = j < it.nrows.unsqueeze(1)  # [W, R]
+    # Row r may see key p iff p <= qlim[r]: causal and inside the item's key range; padding rows see all.
+    qlim = torch.minimum(it.qpos0.unsqueeze(1) + j, it.kv_end.unsqueeze(1) - 1)
+    floor_max = bool(((qlim < it.kv_start.unsqueeze(1)) & valid & (it.kv_end > it.kv_start).unsqueeze(1)).any())
+    qlim = qlim.masked_fill(~valid, torch.iinfo(torch.int64).max)
+    rows = torch.where(valid, it.row0.unsqueeze(1) + j, t_rows)  # [W, R]; padding rows -> out row T
 
-    m = torch.full((hkv, w, mg), M_FLOOR, device=dev)
-    den = torch.zeros((hkv, w, mg), device=dev)
-    acc = torch.zeros((hkv, w, mg, d), device=dev)
-    scores = torch.empty((hkv, w, mg, kv_tile), device=dev)
     tables = meta.block_tables.index_select(0, it.seq)
     last_col = tables.shape[1] - 1
-    # One row per slot: index_select on a 2-D view is several times faster than on [slots, Hkv, D].
-    k_flat, v_flat = k_cache.view(-1, hkv * d), v_cache.view(-1, hkv * d)
-    # Tiles are gathered into buffers reused across tiles: fresh large allocations page-fault anew.
-    k_buf, v_buf = (torch.empty((w * kv_tile, hkv * d), dtype=k_cache.dtype, device=dev) for _ in range(2))
-    widen = k_cache.dtype != torch.float32
-    if widen:
-        k32, v32 = (torch.empty((w * kv_tile, hkv * d), device=dev) for _ in range(2))
     offsets = torch.arange(kv_tile, device=dev)
-
+    heads = torch.arange(hkv, device=dev).view(1, hkv, 1)
+    tiles = []
     for t, n in enumerate(active):
         kpos = it.kv_start[:n, None] + (t * kv_tile + offsets)  # [n, kv_tile]
-        # Gather only this tile's slots; positions past a sequence's end read padding, masked below.
+        # Positions past an item's end read padding table entries (any valid block): masked below.
         col = torch.div(kpos, bs, rounding_mode="floor").clamp_max_(last_col)
-        slot = (tables[:n].gather(1, col) * bs + kpos % bs).view(-1)
-        k, v = k_buf[: len(slot)], v_buf[: len(slot)]
-        torch.index_select(k_flat, 0, slot, out=k)
-        torch.index_select(v_flat, 0, slot, out=v)
-        if widen:  # scores and sums in float32 whatever the cache dtype
-            k, v = k32[: len(slot)].copy_(k), v32[: len(slot)].copy_(v)
-        k, v = k.view(n, kv_tile, hkv, d), v.view(n, kv_tile, hkv, d)
-        s = scores[:, :n]
-        for h in range(hkv):
-            torch.bmm(q_items[h, :n], k[:, :, h].transpose(1, 2), out=s[h])
-        s.masked_fill_(kpos.unsqueeze(1) > qlim[:n], float("-inf"))
+        slot = tables[:n].gather(1, col) * bs + kpos % bs
+        index = (slot.unsqueeze(1) * hkv + heads).view(-1)  # [n, Hkv, kv_tile]: head-major per item
+        hidden = kpos.unsqueeze(1) > qlim[:n].unsqueeze(2)  # [n, R, kv_tile]
+        masked = torch.nonzero(hidden.flatten(1).any(1)).view(-1).tolist()
+        mask = None
+        if masked:  # items sorted by key count: the ones needing a mask here are (nearly) a contiguous run
+            lo, hi = masked[0], masked[-1] + 1
+            mask = hidden[lo:hi].view(hi - lo, 1, rows_per_item, 1, kv_tile).clone()  # not a view: hidden is big
+        tiles.append(_Tile(n, index, masked[0] if masked else 0, mask))
+
+    identity = n_tiles == 1 and num_splits == 1 and rows_per_item == 1 and w == t_rows
+    identity = identity and bool((rows.view(-1) == torch.arange(w, device=dev)).all())
+    # q and out are viewed as [tokens * Hkv, G * D]: one row per (token, KV head), indexed per
+    # (item, KV head, query row), the order of the [W * Hkv, R * G, D] matrices the kernel runs.
+    q_index = (rows.clamp_max(t_rows - 1).unsqueeze(1) * hkv + heads).flatten()
+    inv = None
+    if num_splits > 1 and sort:
+        inv = torch.argsort(order).to(dev)
+    if num_splits > 1:  # the output comes in split-major order, its first W / num_splits items
+        rows = rows.index_select(0, inv[: w // num_splits]) if inv is not None else rows[: w // num_splits]
+    dest = (rows.unsqueeze(1) * hkv + heads).flatten()
+    return _Plan(
+        w=w,
+        rows_per_item=rows_per_item,
+        kv_tile=kv_tile,
+        num_splits=num_splits,
+        tiles=tiles,
+        q_index=None if identity else q_index,
+        inv=inv,
+        dest=None if identity else dest,
+        floor_max=floor_max,
+        zero=torch.zeros((), device=dev),
+    )
+
+
+def _execute(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, plan: _Plan) -> torch.Tensor:
+    """One layer's attention for the items of a plan: [W' * Hkv, R * G, D] float32 outputs, one matrix
+    per (sequence item, KV head) in the plan's output order (W' = W / num_splits)."""
+    t_rows, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    w, r, kv_tile = plan.w, plan.rows_per_item, plan.kv_tile
+    mg = r * group
+    # One float32 [R * G, D] matrix per (item, KV head): q as rows of (token, KV head), gathered in
+    # (item, KV head, row) order or already in it. to() and reshape() copy only what they must.
+    qi = q.to(torch.float32, memory_format=torch.contiguous_format).reshape(t_rows * hkv, group * d)
+    if plan.q_index is not None:
+        qi = qi.index_select(0, plan.q_index)
+    qi = qi.view(w * hkv, mg, d)
+    # One row per (slot, head): the gather lands head-major, so each tile is one batched matmul.
+    k_rows, v_rows = k_cache.view(-1, d), v_cache.view(-1, d)
+    widen = k_cache.dtype != torch.float32  # scores and sums in float32 whatever the cache dtype
+    for t, tile in enumerate(plan.tiles):
+        nh = tile.n * hkv
+        k = k_rows.index_select(0, tile.index)
+        k = (k.float() if widen else k).view(nh, kv_tile, d)
+        s = torch.baddbmm(plan.zero, qi[:nh], k.transpose(1, 2), beta=0, alpha=scale)  # [nh, R * G, kv_tile]
+        if tile.mask is not None:
+            lo = tile.mask_lo
+            s.view(tile.n, hkv, r, group, kv_tile)[lo : lo + len(tile.mask)].masked_fill_(tile.mask, float("-inf"))
+        v = v_rows.index_select(0, tile.index)
+        v = (v.float() if widen else v).view(nh, kv_tile, d)
+        if t == 0:  # the state starts empty (m = M_FLOOR, den = 0, acc = 0): nothing to rescale
+            m = s.amax(-1, keepdim=True)
+            if plan.floor_max:
+                m.clamp_min_(M_FLOOR)
+            s.sub_(m).exp_()
+            den = s.sum(-1, keepdim=True)
+            acc = torch.bmm(s, v)
+            if nh < w * hkv:  # items with no key at all (surplus splits) keep the empty state
+                tail = (w * hkv - nh, mg)
+                m = torch.cat([m, m.new_full((*tail, 1), M_FLOOR)])
+                den = torch.cat([den, den.new_zeros((*tail, 1))])
+                acc = torch.cat([acc, acc.new_zeros((*tail, d))])
+            continue
         # Alg. 1's update with the tile's probabilities taken relative to the new running max, so
         # only the running state is rescaled (by exp(m_old - m_new)) and P V accumulates in place.
-        m_old = m[:, :n]
-        m_new = torch.maximum(m_old, s.amax(-1))
-        s.sub_(m_new.unsqueeze(-1)).exp_()
-        alpha = torch.exp(m_old - m_new)
-        den[:, :n].mul_(alpha).add_(s.sum(-1))
-        acc_n = acc[:, :n].mul_(alpha.unsqueeze(-1))
-        for h in range(hkv):
-            acc_n[h].baddbmm_(s[h], v[:, :, h])
+        m_old = m[:nh]
+        m_new = torch.maximum(m_old, s.amax(-1, keepdim=True))
+        s.sub_(m_new).exp_()
+        alpha = m_old.sub_(m_new).exp_()
+        den[:nh].mul_(alpha).add_(s.sum(-1, keepdim=True))
+        acc[:nh].mul_(alpha).baddbmm_(s, v)
         m_old.copy_(m_new)
 
-    if num_splits > 1:
+    if plan.num_splits > 1:
         # Back to split-major item order, then fold the splits of each sequence together.
-        inv = torch.argsort(order).to(dev)
-        m, den, acc = (x.index_select(1, inv).unflatten(1, (num_splits, -1)) for x in (m, den, acc))
-        state = (m[:, 0], den[:, 0], acc[:, 0])
-        for i in range(1, num_splits):
-            state = merge_attention_states(*state, m[:, i], den[:, i], acc[:, i])
+        m, den, acc = (x.view(w, hkv * mg, -1) for x in (m, den, acc))
+        if plan.inv is not None:
+            m, den, acc = (x.index_select(0, plan.inv) for x in (m, den, acc))
+        m, den, acc = (x.unflatten(0, (plan.num_splits, -1)) for x in (m, den, acc))
+        state = (m[0, ..., 0], den[0, ..., 0], acc[0])
+        for i in range(1, plan.num_splits):
+            state = merge_attention_states(*state, m[i, ..., 0], den[i, ..., 0], acc[i])
         _, den, acc = state
-        rows = rows.index_select(0, inv[: w // num_splits])
-    # den == 0 only for padding rows (no visible key); their acc is 0, so they come out as 0, not NaN.
-    res = acc / den.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
-    res = res.unflatten(2, (rows_per_item, group)).permute(1, 2, 0, 3, 4).reshape(-1, hq, d)
-    out.index_copy_(0, rows.flatten(), res.to(out.dtype))
+        den, acc = den.view(-1, mg, 1), acc.view(-1, mg, d)
+    # Every row saw at least one key (padding rows are unmasked), so den >= 1: no 0 / 0.
+    return acc.div_(den)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -237,13 +323,27 @@ def _run(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    groups: list[tuple[_Items, int]],
+    key: tuple,
+    make_groups: Callable[[], list[tuple[_Items, int]]],
     kv_tile: int | None,
 ) -> torch.Tensor:
+    """Plan (once per metadata, key and head shapes), then execute. make_groups: (items, num_splits) pairs."""
     _check(q, k_cache, v_cache)
-    out = q.new_empty((q.shape[0] + 1, q.shape[1], q.shape[2]))
-    for items, num_splits in groups:
-        _attend(q, k_cache, v_cache, meta, scale, items, kv_tile, num_splits, out)
+    t_rows, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    key = ("tiled", *key, kv_tile, t_rows, hq, hkv, d, q.device)
+    plans = meta.plans.get(key)
+    if plans is None:
+        shape = (hq // hkv, hkv, d)
+        plans = [_plan(meta, items, ns, kv_tile, t_rows, shape, q.device) for items, ns in make_groups()]
+        meta.plans[key] = plans
+    if len(plans) == 1 and plans[0].dest is None:  # pure decode in batch order: the result is the output
+        return _execute(q, k_cache, v_cache, scale, plans[0]).to(q.dtype).view(t_rows, hq, d)
+    out = q.new_empty((t_rows + 1, hq, d))
+    rows = out.view(-1, (hq // hkv) * d)  # one row per (token, KV head), as plan.dest indexes them
+    for plan in plans:
+        res = _execute(q, k_cache, v_cache, scale, plan)
+        rows.index_copy_(0, plan.dest, res.view(len(plan.dest), -1).to(q.dtype))
     return out[:-1]
 
 
@@ -258,7 +358,8 @@ def tiled_prefill_attention(
 ) -> torch.Tensor:
     """Varlen causal attention of packed new tokens over keys read from the paged cache, including any
     cached prefix (prefix-cache hits, chunked prefill). q: [T, Hq, D]; caches [N, block, Hkv, D]."""
-    return _run(q, k_cache, v_cache, meta, scale, [(_prefill_items(meta, None, q_tile), 1)], kv_tile)
+    groups = lambda: [(_prefill_items(meta, None, q_tile), 1)]  # noqa: E731
+    return _run(q, k_cache, v_cache, meta, scale, ("prefill", q_tile), groups, kv_tile)
 
 
 def paged_decode_attention(
@@ -275,8 +376,8 @@ def paged_decode_attention(
     processed side by side and merged with their (m, den) statistics."""
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    items = _decode_items(meta, None, num_splits)
-    return _run(q, k_cache, v_cache, meta, scale, [(items, num_splits)], kv_tile)
+    groups = lambda: [(_decode_items(meta, None, num_splits), num_splits)]  # noqa: E731
+    return _run(q, k_cache, v_cache, meta, scale, ("decode", num_splits), groups, kv_tile)
 
 
 def tiled_attention(
@@ -287,6 +388,10 @@ def tiled_attention(
     scale: float,
 ) -> torch.Tensor:
     """A mixed batch: sequences with few new tokens go the decode way, the rest the prefill way."""
+    return _run(q, k_cache, v_cache, meta, scale, ("mixed",), lambda: _mixed_groups(meta), None)
+
+
+def _mixed_groups(meta: AttentionMetadata) -> list[tuple[_Items, int]]:
     if meta.max_query_len <= DECODE_MAX_QUERY_LEN:  # all decoding: the common step, no partition
         groups = [(_decode_items(meta, None, 1), 1)]
     elif min(meta.query_lens_host) > DECODE_MAX_QUERY_LEN:
@@ -296,4 +401,4 @@ def tiled_attention(
         decode = [i for i, n in enumerate(qlens) if n <= DECODE_MAX_QUERY_LEN]
         prefill = [i for i, n in enumerate(qlens) if n > DECODE_MAX_QUERY_LEN]
         groups = [(_decode_items(meta, decode, 1), 1), (_prefill_items(meta, prefill, DEFAULT_Q_TILE), 1)]
-    return _run(q, k_cache, v_cache, meta, scale, groups, None)
+    return groups

@@ -5,6 +5,8 @@ get one call each, since padding a batch of unequal prompts to the longest waste
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -13,18 +15,19 @@ from kvserve.kernels.attention_ref import gather_sequence_kv
 from kvserve.kernels.metadata import AttentionMetadata
 
 
-def _padded_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    seq_list: list[int],
-    out: torch.Tensor,
-) -> None:
-    """One SDPA call for the sequences in seqs, keys padded to the longest and masked per sequence."""
-    dev = q.device
-    _, hkv, d = k_cache.shape[1:]
+@dataclass
+class _DecodePlan:
+    """What one padded decode call needs that depends only on the metadata (memoized on it)."""
+
+    slot: torch.Tensor  # int64 [B * Smax]: cache slot of each (sequence, key position)
+    rows: torch.Tensor  # int64 [B * Qmax]: q row of each (sequence, query row), clamped for padding
+    dest: torch.Tensor  # int64 [B * Qmax]: out row, T for padding rows
+    mask: torch.Tensor  # bool [B, 1, Qmax, Smax]: True where a query row may see a key
+    shape: tuple[int, int, int]  # (B, Qmax, Smax)
+
+
+def _decode_plan(meta: AttentionMetadata, seq_list: list[int], t_rows: int) -> _DecodePlan:
+    dev = meta.seq_lens.device
     seqs = torch.tensor(seq_list, device=dev)
     qlen = torch.tensor([meta.query_lens_host[i] for i in seq_list], device=dev)
     slen = meta.seq_lens[seqs]
@@ -36,15 +39,38 @@ def _padded_decode(
     kpos = torch.arange(max_s, device=dev)
     col = torch.div(kpos, meta.block_size, rounding_mode="floor")
     slot = (meta.block_tables[seqs][:, col] * meta.block_size + kpos % meta.block_size).flatten()
-    k = k_cache.view(-1, hkv * d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
-    v = v_cache.view(-1, hkv * d).index_select(0, slot).view(len(seqs), max_s, hkv, d).transpose(1, 2)
-    qb = q.index_select(0, rows.clamp_max(q.shape[0] - 1).flatten()).view(len(seqs), max_q, -1, d)
     mask = (kpos <= qpos.unsqueeze(-1)) & (kpos < slen.view(-1, 1, 1))  # [B, Qmax, Smax]
-    res = F.scaled_dot_product_attention(
-        qb.transpose(1, 2), k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True
+    return _DecodePlan(
+        slot=slot,
+        rows=rows.clamp_max(t_rows - 1).flatten(),
+        dest=torch.where(valid, rows, t_rows).flatten(),
+        mask=mask.unsqueeze(1),
+        shape=(len(seq_list), max_q, max_s),
     )
-    dest = torch.where(valid, rows, q.shape[0]).flatten()
-    out.index_copy_(0, dest, res.transpose(1, 2).flatten(0, 1))
+
+
+def _padded_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    seq_list: list[int],
+    out: torch.Tensor,
+) -> None:
+    """One SDPA call for the sequences in seqs, keys padded to the longest and masked per sequence.
+    The index and mask tensors are planned once per metadata and reused by every layer."""
+    _, hkv, d = k_cache.shape[1:]
+    key = ("sdpa-decode", q.shape[0])
+    plan = meta.plans.get(key)
+    if plan is None:
+        plan = meta.plans[key] = _decode_plan(meta, seq_list, q.shape[0])
+    b, max_q, max_s = plan.shape
+    k = k_cache.view(-1, hkv * d).index_select(0, plan.slot).view(b, max_s, hkv, d).transpose(1, 2)
+    v = v_cache.view(-1, hkv * d).index_select(0, plan.slot).view(b, max_s, hkv, d).transpose(1, 2)
+    qb = q.index_select(0, plan.rows).view(b, max_q, -1, d)
+    res = F.scaled_dot_product_attention(qb.transpose(1, 2), k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
+    out.index_copy_(0, plan.dest, res.transpose(1, 2).flatten(0, 1))
 
 
 def _one_prefill(

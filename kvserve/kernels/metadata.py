@@ -9,11 +9,16 @@ the last query_lens[i] of those positions (causal: a query at position p sees ke
 Invariant: seq_lens[i] >= query_lens[i] >= 1, and block_tables[i, : ceil(seq_lens[i] / block_size)]
 are valid block ids; entries beyond that are padding (any valid id) and must be masked by seq_lens.
 Host-side copies of the lengths are kept so backends can plan loops without a device sync.
+
+One metadata object serves every layer of a forward pass, so backends memoize what depends only on
+it (index tensors, masks, loop bounds) in `plans`, keyed by backend and parameters, and reuse it for
+the other layers. The metadata must therefore not be modified after its first use: build a new one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +31,8 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     block_size: int
+    # Per-batch work memoized by backends (see the module docstring); not part of the value.
+    plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
