@@ -75,6 +75,25 @@ def batch1_decode(dtype: str, prompt_len: int = 128, output_len: int = 128) -> d
     }
 
 
+def bf16_fp32_agreement(num_prompts: int = 16, output_len: int = 64) -> dict[str, float]:
+    """Greedy bf16 vs fp32 on chat prompts: share of requests identical, and of tokens before divergence."""
+    topics = ["the sea", "a city at night", "photosynthesis", "the moon", "trains", "coffee", "rain", "chess"]
+    conversations = [
+        [{"role": "user", "content": f"Write {n} sentences about {topics[i % len(topics)]}."}]
+        for i, n in enumerate(range(2, 2 + num_prompts))
+    ]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    runs = [[o.token_ids for o in LLM(dtype=d).chat(conversations, params)] for d in ("float32", "bfloat16")]
+    same_prefix = 0
+    for a, b in zip(*runs, strict=True):
+        same_prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    identical = sum(a == b for a, b in zip(*runs, strict=True))
+    return {
+        "requests_identical": identical / num_prompts,
+        "tokens_before_first_divergence": same_prefix / (num_prompts * output_len),
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,6 +173,7 @@ def main() -> None:
         offline.append(run_hf(prompts, 128, args.dtype))
     results["offline"] = offline
     results["batch1"] = batch1_decode(args.dtype)
+    results["bf16_vs_fp32"] = bf16_fp32_agreement()
 
     served: list[dict[str, Any]] = []
     if not args.skip_served:
@@ -181,6 +201,11 @@ def main() -> None:
         f"\n## batch-1 decode: TPOT {b1['tpot_ms']:.1f} ms; per step {b1['profiled_step_ms']:.1f} ms under the "
         f"profiler, of which matmuls {b1['matmul_ms_per_step']:.1f} ms, "
         f"everything else {b1['overhead_ms_per_step']:.1f} ms"
+    )
+    agree = results["bf16_vs_fp32"]
+    print(
+        f"\n## bf16 vs fp32 greedy (16 chat prompts x 64 tokens): {agree['requests_identical']:.0%} of requests "
+        f"identical, {agree['tokens_before_first_divergence']:.0%} of tokens before the first divergence"
     )
     if served:
         print("\n## served (kvserve replay client, token-id prompts, ignore EOS)")
