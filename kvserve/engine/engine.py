@@ -230,12 +230,14 @@ class LLMEngine:
                 item.seq.request.metrics.first_scheduled_time = start
         try:
             self.cache.copy_blocks(sched.block_copies)
+            if self.draft is not None:
+                # Before drafting: a separate draft model reads the copied blocks of its own cache.
+                self.draft.copy_blocks(sched.block_copies)
             if self.speculator is not None:
                 proposals = self._draft(sched, proposals)
             spans = spans_of(sched)
             logits = self.runner.execute(spans)
             if self.draft is not None:
-                self.draft.copy_blocks(sched.block_copies)
                 self.draft.observe(spans)
         except Exception as exc:  # a failing batch fails its requests, not the engine
             logger.exception("forward pass failed")
@@ -298,7 +300,7 @@ class LLMEngine:
                 for i, token in enumerate(tokens):
                     if self._emit(seq, token, now, logprobs[i] if logprobs else None):
                         break
-                if not seq.is_finished and len(tokens) > 1:
+                if not seq.is_finished:  # also when every draft was rejected (one token emitted)
                     self._trim_blocks(seq)
             except Exception as exc:
                 logger.exception("request %s failed while processing its output", request.request_id)
@@ -332,7 +334,8 @@ class LLMEngine:
         """
         if self.speculator is None:
             return {}
-        decoding = [s for s in self.scheduler.running if not s.in_prefill]
+        # A sequence's first token is never speculated: an n > 1 request forks its samples there.
+        decoding = [s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0]
         if not decoding:
             return {}
         prefill_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.in_prefill)

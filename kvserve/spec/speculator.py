@@ -130,7 +130,13 @@ class Speculator:
 
     # ---- verification ----
     def verify(self, seq: Sequence, draft: Proposal, target_logits: torch.Tensor) -> list[int]:
-        """Tokens to emit (1..k+1) given target logits for the last token and each draft."""
+        """Tokens to emit (1..k+1) given target logits for the last token and each scheduled draft.
+
+        The scheduler may have cut the drafts short to fit its token budget: only the first k =
+        rows - 1 drafts were fed to the target, so only they are verified (and counted).
+        """
+        k = target_logits.shape[0] - 1
+        draft = Proposal(draft.tokens[:k], draft.probs[:k] if draft.probs is not None else None)
         if seq.params.greedy:
             emitted = verify_greedy(draft.tokens, target_logits.argmax(dim=-1).tolist())
         else:
