@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.kernels import backends
+from kvserve.kernels.attention import tiled_attention
 from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
+from kvserve.kernels.attention_sdpa import sdpa_attention
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 
 
-@pytest.mark.parametrize("name", ["tiled", "reference", "sdpa"])
+@pytest.mark.parametrize("name", ["tiled", "reference", "sdpa", "auto_cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backends_agree_with_the_oracle(name: str, dtype: torch.dtype) -> None:
     q, k, v, meta = random_paged_inputs([1, 3, 40, 1, 12], [90, 3, 100, 1, 300], 6, 2, 64, 16, dtype)
@@ -20,8 +23,22 @@ def test_cpu_backends_agree_with_the_oracle(name: str, dtype: torch.dtype) -> No
 
 
 def test_default_cpu_backend_is_a_cpu_backend() -> None:
-    assert default_attention_backend("cpu") in ("tiled", "sdpa")
+    assert default_attention_backend("cpu") == "auto_cpu"
     assert default_attention_backend(torch.device("cpu")) == default_attention_backend("cpu")
+
+
+def test_auto_cpu_takes_the_tiled_kernel_for_large_batches(monkeypatch) -> None:
+    """Below the key threshold the batch goes to SDPA, above it to the tiled kernel; both exact."""
+    calls = []
+    monkeypatch.setattr(backends, "tiled_attention", lambda *a: calls.append("tiled") or tiled_attention(*a))
+    monkeypatch.setattr(backends, "sdpa_attention", lambda *a: calls.append("sdpa") or sdpa_attention(*a))
+    monkeypatch.setattr(backends, "TILED_FROM_TOTAL_KEYS", 200)
+    for seq_lens in ([5, 90], [150, 120]):
+        q, k, v, meta = random_paged_inputs([1, 1], seq_lens, 6, 2, 64, 16, torch.float32)
+        out = backends.auto_cpu_attention(q, k, v, meta, 0.125)
+        ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 0.125, torch.float64)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert calls == ["sdpa", "tiled"]
 
 
 def test_unknown_backend_names_the_field() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve import SamplingParams
+from kvserve import LLM, SamplingParams
 from tests.hf_reference import hf_greedy, hf_model_and_tokenizer
 
 RAW_PROMPTS = [
@@ -61,3 +61,10 @@ def test_greedy_batched_equals_hf(llm_fp32, prompt_ids, hf_outputs):
     outs = llm_fp32.generate(prompt_ids, params)
     assert [o.token_ids for o in outs] == hf_outputs
     assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_greedy_batched_equals_hf_with_the_tiled_kernel(prompt_ids, hf_outputs):
+    """The FlashAttention-style kernel for every layer of every step, prefill and decode alike."""
+    llm = LLM(dtype="float32", attention_backend="tiled")
+    outs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_outputs

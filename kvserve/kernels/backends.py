@@ -14,14 +14,35 @@ from kvserve.kernels.attention_sdpa import sdpa_attention
 from kvserve.kernels.metadata import AttentionMetadata
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
-BACKEND_NAMES = ("tiled", "reference", "sdpa", "triton")
+BACKEND_NAMES = ("tiled", "reference", "sdpa", "triton", "auto_cpu")
 
 
 def triton_available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
+# Total keys in a batch (sum of seq_lens) from which the tiled kernel beats torch SDPA on the CPU.
+# Measured with benchmarks/attention.py (bf16, 2 threads, SmolLM2-135M heads, ms per layer call,
+# tiled vs sdpa): decode 16x1024 (16k keys) 3.3 vs 1.8; decode 64x1024 (64k) 13.5 vs 23.0; 256x512
+# (128k) 31.9 vs 44.6; 256x2048 119.9 vs 179.2 at 33 vs 390 MiB peak; 128 mixed lengths 31.6 vs 82.3;
+# prefill 1024 18.9 vs 3.3, 4096 193 vs 38. End to end, 64 requests of 128/128 tokens (<= 16k keys per
+# step) run at 479 output tok/s with sdpa and 406 with tiled. So: small batches, short contexts and
+# prefill go to SDPA; large decode batches over long contexts go to the tiled kernel.
+TILED_FROM_TOTAL_KEYS = 32_768
+
+
+def auto_cpu_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Per batch, the faster of the tiled kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
+        return tiled_attention(q, k_cache, v_cache, meta, scale)
+    return sdpa_attention(q, k_cache, v_cache, meta, scale)
+
+
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionFn:
+    if name == "auto_cpu":
+        return auto_cpu_attention
     if name == "tiled":
         return tiled_attention
     if name == "reference":
@@ -38,16 +59,9 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionFn:
 
 
 def default_attention_backend(device: torch.device | str) -> str:
-    """The fastest correct backend on this device kind.
-
-    CUDA with triton: the Triton kernels (tiles in on-chip memory, the case FlashAttention is for).
-    CPU: "tiled". Measured with benchmarks/attention.py (1 thread, float32, SmolLM2-135M heads, ms per
-    layer call, tiled vs sdpa): batched decode 64x1024 38 vs 92, 256x512 83 vs 181, 256x2048 233 vs
-    589, 128 mixed lengths 60 vs 264, verify 32x4 16 vs 35, 255 decodes + one 256-token prefill 62 vs
-    126, with 5-40x less peak memory; sdpa wins prefill (1024 tokens 25 vs 51, 4096 384 vs 844) and
-    tiny batches, where the tiled path's ~70 torch ops cost ~0.4 ms more per call. Serving time is
-    dominated by batched decode steps (one per output token, for every running sequence), so tiled.
-    """
+    """The fastest correct backend on this device kind: the Triton kernels on CUDA (tiles in on-chip
+    memory, the case FlashAttention is for); on the CPU a per-batch choice between the tiled kernel
+    and SDPA (auto_cpu_attention)."""
     if triton_available(device):
         return "triton"
-    return "tiled"
+    return "auto_cpu"
