@@ -110,9 +110,11 @@ def _peak_rss_mb(pid: int) -> float | None:
     return None
 
 
-def start_kvserve(dtype: str) -> tuple[subprocess.Popen, str]:
+def start_kvserve(dtype: str, threads: int | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--dtype", dtype]
+    if threads:
+        cmd += ["--num-threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -161,23 +163,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--served-only", action="store_true", help="skip the offline, batch-1 and dtype rows")
+    parser.add_argument("--server-threads", type=int, default=None, help="torch threads of the kvserve server")
     parser.add_argument("--peer", action="append", default=[], help="NAME=URL of a running OpenAI-compatible server")
     parser.add_argument("--peer-model", default=None, help="model name the peers serve (default: ask /v1/models)")
     parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
     args = parser.parse_args()
 
     results: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
-    prompts = random_prompts(64, 128)
-    offline = [run_kvserve(prompts, 128, args.dtype)]
-    if not args.skip_hf:
-        offline.append(run_hf(prompts, 128, args.dtype))
+    offline: list[dict[str, Any]] = []
+    if not args.served_only:
+        prompts = random_prompts(64, 128)
+        offline.append(run_kvserve(prompts, 128, args.dtype))
+        if not args.skip_hf:
+            offline.append(run_hf(prompts, 128, args.dtype))
+        results["batch1"] = batch1_decode(args.dtype)
+        results["bf16_vs_fp32"] = bf16_fp32_agreement()
     results["offline"] = offline
-    results["batch1"] = batch1_decode(args.dtype)
-    results["bf16_vs_fp32"] = bf16_fp32_agreement()
 
     served: list[dict[str, Any]] = []
     if not args.skip_served:
-        proc, url = start_kvserve(args.dtype)
+        proc, url = start_kvserve(args.dtype, args.server_threads)
         try:
             served += served_runs("kvserve", url, "smollm2-135m-instruct")
         finally:
@@ -190,7 +196,19 @@ def main() -> None:
             served += served_runs(name, peer_url, model)
     results["served"] = served
 
-    print(f"\n## offline 64 x 128/128, {args.dtype}, {results['threads']} threads")
+    if offline:
+        print_offline_rows(results, args.dtype)
+    if served:
+        print_served_rows(results, served)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+def print_offline_rows(results: dict[str, Any], dtype: str) -> None:
+    offline = results["offline"]
+    print(f"\n## offline 64 x 128/128, {dtype}, {results['threads']} threads")
     print("| engine | output tok/s | kvserve / engine |\n|---|---|---|")
     for row in offline:
         print(
@@ -207,6 +225,9 @@ def main() -> None:
         f"\n## bf16 vs fp32 greedy (16 chat prompts x 64 tokens): {agree['requests_identical']:.0%} of requests "
         f"identical, {agree['tokens_before_first_divergence']:.0%} of tokens before the first divergence"
     )
+
+
+def print_served_rows(results: dict[str, Any], served: list[dict[str, Any]]) -> None:
     if served:
         print("\n## served (kvserve replay client, token-id prompts, ignore EOS)")
         print("| run | engine | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | failed | kvserve tok/s ratio |")
@@ -220,10 +241,6 @@ def main() -> None:
                 f"{_fmt(ratio)} |"
             )
         print(f"\nkvserve server peak RSS: {_fmt(results.get('kvserve_server_peak_rss_mb'))} MB")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

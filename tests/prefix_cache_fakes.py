@@ -161,28 +161,13 @@ class FakeEngine:
         request = seq.request
         samples = [seq]
         if seq.index == 0 and seq.num_output_tokens == 0 and len(request.sequences) < request.params.n:
-            samples += self._fork(seq)
+            samples += self.scheduler.fork(seq)
         for sample in samples:
             sample.token_ids.append(OUTPUT_TOKEN + sample.index)
             if sample.num_output_tokens >= request.params.max_tokens:
                 self.scheduler.remove(sample)
         if request.finished:
             del self.requests[request.request_id]
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """As LLMEngine._fork: the other samples share the parent's computed prompt blocks."""
-        request = parent.request
-        children = []
-        for index in range(len(request.sequences), request.params.n):
-            child = request.new_sequence(index)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.block_table = list(parent.block_table)
-            for block in child.block_table:
-                self.pool.incref(block)
-            child.block_hashes = list(parent.block_hashes)
-            self.scheduler.add_running(child)
-            children.append(child)
-        return children
 
     # ---- checks ----
     def check_invariants(self) -> None:

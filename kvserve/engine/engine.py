@@ -378,23 +378,8 @@ class LLMEngine:
         request = seq.request
         last_row = row + item.num_logits - 1
         if len(request.sequences) < request.params.n and seq.index == 0 and seq.num_output_tokens == 0:
-            return [(seq, last_row), *((child, last_row) for child in self._fork(seq))]
+            return [(seq, last_row), *((child, last_row) for child in self.scheduler.fork(seq))]
         return [(seq, last_row)]
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Create the other n-1 samples, sharing the parent's computed prompt blocks (copy-on-write)."""
-        request = parent.request
-        children = []
-        for index in range(len(request.sequences), request.params.n):
-            child = request.new_sequence(index)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.block_table = list(parent.block_table)
-            for block in child.block_table:
-                self.pool.incref(block)
-            child.block_hashes = list(parent.block_hashes)
-            self.scheduler.add_running(child)
-            children.append(child)
-        return children
 
     def _emit(self, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None) -> bool:
         """Append one token; True when the sequence finished (its blocks are then already free)."""

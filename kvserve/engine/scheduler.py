@@ -77,6 +77,22 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival_key)
 
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Create a request's other n-1 samples once its prompt is computed; they share the parent's
+        blocks (full ones read-only, the partial last one copied on first write, see _reserve)."""
+        request = parent.request
+        children = []
+        for index in range(len(request.sequences), request.params.n):
+            child = request.new_sequence(index)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_table = list(parent.block_table)
+            for block in child.block_table:
+                self.pool.incref(block)
+            child.block_hashes = list(parent.block_hashes)
+            self.add_running(child)
+            children.append(child)
+        return children
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks at once."""
         if seq in self.running:
