@@ -75,6 +75,10 @@ class LlamaModel:
             for layer in self.weights.layers
         ]
         self.lm_head = make_linear(self.weights.lm_head)
+        # The residual stream and the norms stay in float32 whatever the weights' dtype: summing 30
+        # layers' updates in bf16 loses enough precision to flip greedy choices early on this model.
+        self.norms = [(layer.attn_norm.float(), layer.mlp_norm.float()) for layer in self.weights.layers]
+        self.final_norm = self.weights.final_norm.float()
         cos, sin = rope_tables(config, max_len, device)
         self.rope_cos = cos.to(dtype)
         self.rope_sin = sin.to(dtype)
@@ -96,12 +100,15 @@ class LlamaModel:
         """Final-normed hidden states [T, hidden]. `num_layers` < all runs a truncated (self-draft) model."""
         cfg = self.config
         w = self.weights
-        h = F.embedding(input_ids, w.embed_tokens)
+        h = F.embedding(input_ids, w.embed_tokens).float()
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
         t = input_ids.shape[0]
-        for index, (layer, linear) in enumerate(zip(w.layers[:num_layers], self.linears, strict=False)):
-            x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        for index, (linear, (attn_norm, mlp_norm)) in enumerate(
+            zip(self.linears[:num_layers], self.norms, strict=False)
+        ):
+            x = rms_norm(h, attn_norm, eps).to(self.dtype)
             qk, v = linear.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # q and k heads rotate together: one RoPE application instead of two.
             qk = apply_rope(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -113,10 +120,10 @@ class LlamaModel:
             )
             o = attention(q, k_cache, v_cache, meta, self.scale)
             h = h + linear.o_proj(o.reshape(t, self.q_size))
-            x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+            x = rms_norm(h, mlp_norm, eps).to(self.dtype)
             gate, up = linear.gate_up_proj(x).chunk(2, dim=-1)
             h = h + linear.down_proj(F.silu(gate) * up)
-        return rms_norm(h, w.final_norm, cfg.rms_norm_eps)
+        return rms_norm(h, self.final_norm, eps).to(self.dtype)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
