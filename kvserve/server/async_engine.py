@@ -235,6 +235,9 @@ class AsyncEngine:
                     stopping = self._stopping
                 for command, _ in commands:
                     command()
+                if commands:
+                    # Aborts free blocks between steps: publish that even if no step follows.
+                    self._stats = self.engine.stats()
                 if stopping:
                     self._abort_all()
                     return
