@@ -86,13 +86,18 @@ def build(
     return requests
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's shape, shared by this script and compare_prefix_caching.py."""
     parser.add_argument("--tenants", type=int, default=3)
     parser.add_argument("--users-per-tenant", type=int, default=4)
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     requests = build(args.tenants, args.users_per_tenant, args.rate, args.max_tokens, args.seed)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from build_workload import build
+from build_workload import add_workload_args, build
 
 from kvserve.bench.metrics import Gates
 from kvserve.bench.offline import OfflineConfig, replay_offline
@@ -77,11 +77,7 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tenants", type=int, default=3)
-    parser.add_argument("--users-per-tenant", type=int, default=4)
-    parser.add_argument("--rate", type=float, default=4.0)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--ttft-gate-ms", type=float, help="hard TTFT bound for goodput")
     parser.add_argument("--url-on", help="live server with prefix caching on (else the offline engine)")
