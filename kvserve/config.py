@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "auto_cpu", "tiled", "reference", "sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "auto_cpu", "cpu", "tiled", "reference", "sdpa", "triton")
 
 
 @dataclass

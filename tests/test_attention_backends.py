@@ -7,12 +7,13 @@ import torch
 
 from kvserve.kernels import backends
 from kvserve.kernels.attention import tiled_attention
+from kvserve.kernels.attention_cpu import cpu_attention
 from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
 from kvserve.kernels.attention_sdpa import sdpa_attention
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 
 
-@pytest.mark.parametrize("name", ["tiled", "reference", "sdpa", "auto_cpu"])
+@pytest.mark.parametrize("name", ["tiled", "reference", "sdpa", "cpu", "auto_cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backends_agree_with_the_oracle(name: str, dtype: torch.dtype) -> None:
     q, k, v, meta = random_paged_inputs([1, 3, 40, 1, 12], [90, 3, 100, 1, 300], 6, 2, 64, 16, dtype)
@@ -27,8 +28,17 @@ def test_default_cpu_backend_is_a_cpu_backend() -> None:
     assert default_attention_backend(torch.device("cpu")) == default_attention_backend("cpu")
 
 
-def test_auto_cpu_takes_the_tiled_kernel_for_large_batches(monkeypatch) -> None:
+def test_auto_cpu_takes_the_compiled_kernels_when_they_build(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(backends, "cpu_attention", lambda *a: calls.append("cpu") or cpu_attention(*a))
+    q, k, v, meta = random_paged_inputs([1, 1], [5, 90], 6, 2, 64, 16, torch.float32)
+    backends.auto_cpu_attention(q, k, v, meta, 0.125)
+    assert calls == ["cpu"]
+
+
+def test_auto_cpu_without_the_kernels_takes_the_tiled_kernel_for_large_batches(monkeypatch) -> None:
     """Below the key threshold the batch goes to SDPA, above it to the tiled kernel; both exact."""
+    monkeypatch.setattr(backends.cpu, "load", lambda: None)
     calls = []
     monkeypatch.setattr(backends, "tiled_attention", lambda *a: calls.append("tiled") or tiled_attention(*a))
     monkeypatch.setattr(backends, "sdpa_attention", lambda *a: calls.append("sdpa") or sdpa_attention(*a))

@@ -269,7 +269,9 @@ class LLMEngine:
         if jobs:
             seqs = [s for s, _ in jobs]
             try:
-                selected = logits.index_select(0, torch.tensor([r for _, r in jobs], device=logits.device))
+                rows = [r for _, r in jobs]
+                in_order = rows == list(range(logits.shape[0]))  # the common case: no copy needed
+                selected = logits if in_order else logits.index_select(0, torch.tensor(rows, device=logits.device))
                 tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
                 logprobs = self._logprobs(selected, tokens, seqs)
             except Exception as exc:  # batched sampling failed: fail exactly the requests it served

@@ -73,7 +73,7 @@ def _padded_decode(
     out.index_copy_(0, plan.dest, res.transpose(1, 2).flatten(0, 1))
 
 
-def _one_prefill(
+def one_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -111,6 +111,6 @@ def sdpa_attention(
     row0 = 0
     for i, n in enumerate(qlens):
         if n > DECODE_MAX_QUERY_LEN:
-            out[row0 : row0 + n] = _one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
+            out[row0 : row0 + n] = one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
         row0 += n
     return out[:-1]

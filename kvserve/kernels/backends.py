@@ -8,13 +8,15 @@ from collections.abc import Callable
 
 import torch
 
+from kvserve.kernels import cpu
 from kvserve.kernels.attention import tiled_attention
+from kvserve.kernels.attention_cpu import cpu_attention
 from kvserve.kernels.attention_ref import paged_reference_attention
 from kvserve.kernels.attention_sdpa import sdpa_attention
 from kvserve.kernels.metadata import AttentionMetadata
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
-BACKEND_NAMES = ("tiled", "reference", "sdpa", "triton", "auto_cpu")
+BACKEND_NAMES = ("tiled", "reference", "sdpa", "triton", "cpu", "auto_cpu")
 
 
 def triton_available(device: torch.device | str) -> bool:
@@ -34,7 +36,10 @@ TILED_FROM_TOTAL_KEYS = 32_768
 def auto_cpu_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Per batch, the faster of the tiled kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    """The compiled CPU kernels where they build; otherwise, per batch, the faster of the tiled
+    kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    if cpu.load() is not None:
+        return cpu_attention(q, k_cache, v_cache, meta, scale)
     if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
         return tiled_attention(q, k_cache, v_cache, meta, scale)
     return sdpa_attention(q, k_cache, v_cache, meta, scale)
@@ -49,6 +54,10 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionFn:
         return paged_reference_attention
     if name == "sdpa":
         return sdpa_attention
+    if name == "cpu":
+        if cpu.load() is None:
+            raise ValueError("attention_backend 'cpu' needs kvserve's compiled CPU kernels, which failed to build")
+        return cpu_attention
     if name == "triton":
         if not triton_available(device):
             raise ValueError(f"attention_backend 'triton' needs CUDA and the triton package (device {device})")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
+from kvserve.model.layer_ops import layer_ops_for
 from kvserve.model.linear import LinearFn, make_linear
 from kvserve.model.weights import ModelWeights
 
@@ -30,12 +31,6 @@ class LayerLinears(NamedTuple):
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # The fused kernel keeps the variance in float32 for bf16 input and matches the unfused
-    # reference (x * rsqrt(mean(x^2) + eps) * weight) bit for bit in float32.
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
 def rope_tables(config: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for every position in float32, [max_len, head_dim] in rotate-half layout."""
     dim = config.head_dim
@@ -48,13 +43,6 @@ def rope_tables(config: ModelConfig, max_len: int, device: torch.device) -> tupl
     freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(device), emb.sin().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, 1, D] already in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -79,9 +67,8 @@ class LlamaModel:
         # layers' updates in bf16 loses enough precision to flip greedy choices early on this model.
         self.norms = [(layer.attn_norm.float(), layer.mlp_norm.float()) for layer in self.weights.layers]
         self.final_norm = self.weights.final_norm.float()
-        cos, sin = rope_tables(config, max_len, device)
-        self.rope_cos = cos.to(dtype)
-        self.rope_sin = sin.to(dtype)
+        self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)
+        self.ops = layer_ops_for(device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -98,32 +85,26 @@ class LlamaModel:
         num_layers: int | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden]. `num_layers` < all runs a truncated (self-draft) model."""
-        cfg = self.config
-        w = self.weights
-        h = F.embedding(input_ids, w.embed_tokens).float()
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
+        layers = list(zip(self.linears, self.norms, strict=True))[:num_layers]
         t = input_ids.shape[0]
-        eps = cfg.rms_norm_eps
-        for index, (linear, (attn_norm, mlp_norm)) in enumerate(
-            zip(self.linears[:num_layers], self.norms, strict=False)
-        ):
-            x = rms_norm(h, attn_norm, eps).to(self.dtype)
-            qk, v = linear.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            # q and k heads rotate together: one RoPE application instead of two.
-            qk = apply_rope(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        # h, the float32 residual stream, is updated in place by add_rms_norm, which also normalizes
+        # it for the next block: each layer's two residual adds are fused into the following norm.
+        h = F.embedding(input_ids, self.weights.embed_tokens).float()
+        x = ops.add_rms_norm(h, None, layers[0][1][0], eps, self.dtype)
+        for index, (linear, (_, mlp_norm)) in enumerate(layers):
+            qkv = linear.qkv_proj(x)
             k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
-            k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slot_mapping, k)
-            v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(
-                0, slot_mapping, v.view(t, cfg.num_kv_heads, cfg.head_dim)
-            )
+            ops.rope_write_kv(
+                qkv, positions, self.rope_cos, self.rope_sin, k_cache, v_cache, slot_mapping,
+                cfg.num_heads, cfg.num_kv_heads,
+            )  # fmt: skip
+            q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
             o = attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + linear.o_proj(o.reshape(t, self.q_size))
-            x = rms_norm(h, mlp_norm, eps).to(self.dtype)
-            gate, up = linear.gate_up_proj(x).chunk(2, dim=-1)
-            h = h + linear.down_proj(F.silu(gate) * up)
-        return rms_norm(h, self.final_norm, eps).to(self.dtype)
+            x = ops.add_rms_norm(h, linear.o_proj(o.reshape(t, self.q_size)), mlp_norm, eps, self.dtype)
+            next_norm = layers[index + 1][1][0] if index + 1 < len(layers) else self.final_norm
+            x = ops.add_rms_norm(h, linear.down_proj(ops.silu_mul(linear.gate_up_proj(x))), next_norm, eps, self.dtype)
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvserve.engine.sampler import policy_probs
+from kvserve.engine.sampler import greedy_tokens, policy_probs
 from kvserve.engine.sequence import Sequence
 from kvserve.spec.proposers import NgramProposer, Proposal
 from kvserve.spec.rejection import verify_greedy, verify_sampled
@@ -138,7 +138,7 @@ class Speculator:
         k = target_logits.shape[0] - 1
         draft = Proposal(draft.tokens[:k], draft.probs[:k] if draft.probs is not None else None)
         if seq.params.greedy:
-            emitted = verify_greedy(draft.tokens, target_logits.argmax(dim=-1).tolist())
+            emitted = verify_greedy(draft.tokens, greedy_tokens(target_logits).tolist())
         else:
             p = policy_probs(target_logits, [seq.params] * target_logits.shape[0])
             emitted = verify_sampled(draft.tokens, draft.probs, p, seq.generator)

@@ -1,0 +1,45 @@
+"""The "cpu" backend: the compiled tiled kernel (kernels/cpu/ops.cpp, `decode_attention`) for
+sequences with few new tokens, torch SDPA for prefill chunks.
+
+The compiled kernel is FlashAttention's online softmax with the cache block as the KV tile, reading
+K/V where they lie in the paged cache: no gathered copy, no widened K/V, no score matrix. Prefill
+rows are a matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels import cpu
+from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
+from kvserve.kernels.attention_sdpa import one_prefill
+from kvserve.kernels.metadata import AttentionMetadata
+
+
+def cpu_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Packed varlen causal attention over the paged cache. q: [T, Hq, D] (rows may be strided)."""
+    kernels = cpu.load()
+    if kernels is None:
+        raise RuntimeError("attention_backend 'cpu' needs kvserve's compiled CPU kernels (see kvserve/kernels/cpu)")
+    out = q.new_empty(q.shape)
+    decode = meta.plans.get("cpu-decode")
+    if decode is None:
+        ids = [i for i, n in enumerate(meta.query_lens_host) if n <= DECODE_MAX_QUERY_LEN]
+        decode = meta.plans["cpu-decode"] = torch.tensor(ids, dtype=torch.int64)
+    if len(decode):
+        kernels.decode_attention(
+            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, decode, scale
+        )
+    if len(decode) < meta.num_seqs:
+        row0 = 0
+        for i, n in enumerate(meta.query_lens_host):
+            if n > DECODE_MAX_QUERY_LEN:
+                out[row0 : row0 + n] = one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
+            row0 += n
+    return out
