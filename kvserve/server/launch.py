@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
+import threading
 from types import FrameType
 
 import uvicorn
@@ -62,10 +64,22 @@ def serve(
     drain_timeout_s: float = 30.0,
     log_level: str = "info",
 ) -> None:
-    async_engine = AsyncEngine(LLMEngine(config)).start()
+    """The engine loop on this (main) thread, uvicorn on another: see async_engine.py for why."""
+    async_engine = AsyncEngine(LLMEngine(config))
+    app = build_app(async_engine, api_key, served_model_name)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = DrainingServer(uv_config, async_engine, drain_timeout_s)
+    # uvicorn installs its signal handlers only on the main thread, which the engine holds here.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    http = threading.Thread(target=_serve_http, args=(server, async_engine), name="kvserve-http")
+    http.start()
+    async_engine.run()
+    http.join()
+
+
+def _serve_http(server: DrainingServer, async_engine: AsyncEngine) -> None:
     try:
-        app = build_app(async_engine, api_key, served_model_name)
-        uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-        DrainingServer(uv_config, async_engine, drain_timeout_s).run()
-    finally:
+        server.run()
+    finally:  # however uvicorn ended (drained, failed to bind), the engine loop ends with it
         async_engine.shutdown()
