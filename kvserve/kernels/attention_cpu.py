@@ -12,7 +12,7 @@ import torch
 
 from kvserve.kernels import cpu
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
-from kvserve.kernels.attention_sdpa import one_prefill
+from kvserve.kernels.attention_sdpa import prefill_rows
 from kvserve.kernels.metadata import AttentionMetadata
 
 
@@ -37,9 +37,5 @@ def cpu_attention(
             out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, decode, scale
         )
     if len(decode) < meta.num_seqs:
-        row0 = 0
-        for i, n in enumerate(meta.query_lens_host):
-            if n > DECODE_MAX_QUERY_LEN:
-                out[row0 : row0 + n] = one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
-            row0 += n
+        prefill_rows(q, k_cache, v_cache, meta, scale, out)
     return out

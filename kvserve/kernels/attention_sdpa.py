@@ -73,7 +73,7 @@ def _padded_decode(
     out.index_copy_(0, plan.dest, res.transpose(1, 2).flatten(0, 1))
 
 
-def one_prefill(
+def _one_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -108,9 +108,22 @@ def sdpa_attention(
     decode = [i for i, n in enumerate(qlens) if n <= DECODE_MAX_QUERY_LEN]
     if decode:
         _padded_decode(q, k_cache, v_cache, meta, scale, decode, out)
-    row0 = 0
-    for i, n in enumerate(qlens):
-        if n > DECODE_MAX_QUERY_LEN:
-            out[row0 : row0 + n] = one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
-        row0 += n
+    prefill_rows(q, k_cache, v_cache, meta, scale, out)
     return out[:-1]
+
+
+def prefill_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Writes the out rows of every sequence with more than DECODE_MAX_QUERY_LEN new tokens, one SDPA
+    call each (the decode rows are left to the caller)."""
+    row0 = 0
+    for i, n in enumerate(meta.query_lens_host):
+        if n > DECODE_MAX_QUERY_LEN:
+            out[row0 : row0 + n] = _one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
+        row0 += n

@@ -71,7 +71,6 @@ class LlamaModel:
         self.ops = layer_ops_for(device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
 
     @torch.inference_mode()
     def forward(
