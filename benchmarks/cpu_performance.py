@@ -38,7 +38,7 @@ from kvserve.bench.generators import LengthDist, random_workload
 from kvserve.bench.metrics import summarize
 from kvserve.bench.replay import ReplayConfig, replay
 
-MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "kvserve::gemv_bf16")
 SERVED_RUNS = {  # name: (requests, rate per second, max concurrency, seed)
     "served 100x128/128 all at once": (100, float("inf"), None, 1),
     "served Poisson 2 req/s x 60": (60, 2.0, None, 2),

@@ -1,16 +1,18 @@
-"""The compiled CPU kernels (kvserve/kernels/cpu/ops.cpp) against the torch definitions they replace
-(kvserve/model/layer_ops.py) and, for attention, against the materialized oracle."""
+"""The compiled CPU kernels (kvserve/kernels/cpu/*.cpp) against the torch definitions they replace
+(kvserve/model/layer_ops.py, F.linear) and, for attention, against the materialized oracle."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvserve.kernels import cpu
 from kvserve.kernels.attention_cpu import cpu_attention
 from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import TorchLayerOps, layer_ops_for
+from kvserve.model.linear import make_linear
 from kvserve.model.llama import rope_tables
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -105,10 +107,59 @@ def test_cpu_attention_matches_the_oracle(kernels, dtype, query_lens, seq_lens) 
     assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_cpu_attention_is_stable_for_huge_logits(kernels) -> None:
+HEAD_SHAPES = [(4, 2, 40, 8), (2, 2, 96, 32), (8, 1, 128, 16)]  # (heads, kv_heads, head_dim, block_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), HEAD_SHAPES)
+def test_cpu_attention_other_head_shapes(kernels, dtype, heads, kv_heads, head_dim, block_size) -> None:
+    """Head dims that are not a multiple of the bf16 dot product's 32 (40) or of 16 floats (40: padded
+    accumulators), blocks shorter than a tile (8) and longer (32), no GQA and GQA 8:1."""
+    q, k, v, meta = random_paged_inputs([1, 5, 1], [37, 70, 1], heads, kv_heads, head_dim, block_size, dtype, seed=3)
+    scale = head_dim**-0.5
+    out = cpu_attention(q, k, v, meta, scale)
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, scale, torch.float64)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attention_is_stable_for_huge_logits(kernels, dtype) -> None:
     """Scores of +-1e4 would overflow a naive exp: the online max keeps every term <= 1."""
-    q, k, v, meta = random_paged_inputs([1, 3], [200, 70], 9, 3, 64, 16, torch.float32, seed=5)
-    out = cpu_attention(q * 400, k, v, meta, 0.125)
-    ref = paged_reference_attention(q.double() * 400, k.double(), v.double(), meta, 0.125, torch.float64)
+    q, k, v, meta = random_paged_inputs([1, 3], [200, 70], 9, 3, 64, 16, dtype, seed=5)
+    q = q * 400  # rounded to dtype here, so the reference sees the same input
+    out = cpu_attention(q, k, v, meta, 0.125)
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 0.125, torch.float64)
     assert torch.isfinite(out).all()
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (37, 1536), (3, 32)])
+def test_gemv_matches_a_float32_product(kernels, rows, out_features, in_features) -> None:
+    """bf16 x bf16 products are exact in float32, so the result is the float32 product rounded once
+    (up to float32 summation order). 37 rows leave a tail after the 4-row groups."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    out = kernels.gemv_bf16(x, weight)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    assert close(out, F.linear(x.float(), weight.float()), torch.bfloat16)
+
+
+def test_gemv_refuses_what_it_cannot_compute(kernels) -> None:
+    weight = torch.ones(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="rows"):
+        kernels.gemv_bf16(torch.ones(kernels.GEMV_MAX_ROWS + 1, 64, dtype=torch.bfloat16), weight)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.gemv_bf16(torch.ones(1, 64), weight.float())
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.gemv_bf16(torch.ones(1, 48, dtype=torch.bfloat16), torch.ones(4, 48, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows) -> None:
+    """bf16 linears switch from the GEMV to oneDNN above GEMV_MAX_ROWS rows: both sides agree."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(576, 576, generator=gen).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    assert close(make_linear(weight)(x), F.linear(x.float(), weight.float()), torch.bfloat16)

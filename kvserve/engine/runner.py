@@ -108,4 +108,6 @@ class ModelRunner:
         )
         if not logit_rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(logit_rows, device=device)])
+        if len(logit_rows) < len(tokens):  # rows are ascending and distinct: equal counts mean every row
+            hidden = hidden[torch.tensor(logit_rows, device=device)]
+        return self.model.logits(hidden)

@@ -1,8 +1,8 @@
-"""The "cpu" backend: the compiled tiled kernel (kernels/cpu/ops.cpp, `decode_attention`) for
+"""The "cpu" backend: the compiled tiled kernel (kernels/cpu/decode_attention.cpp) for
 sequences with few new tokens, torch SDPA for prefill chunks.
 
 The compiled kernel is FlashAttention's online softmax with the cache block as the KV tile, reading
-K/V where they lie in the paged cache: no gathered copy, no widened K/V, no score matrix. Prefill
+K/V where they lie in the paged cache: no gathered copy, no score matrix. Prefill
 rows are a matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py).
 """
 

@@ -91,9 +91,10 @@ class LlamaModel:
         # it for the next block: each layer's two residual adds are fused into the following norm.
         h = F.embedding(input_ids, self.weights.embed_tokens).float()
         x = ops.add_rms_norm(h, None, layers[0][1][0], eps, self.dtype)
+        k_caches, v_caches = (kind.unbind(0) for kind in kv_cache.unbind(1))  # per-layer views, 3 calls
         for index, (linear, (_, mlp_norm)) in enumerate(layers):
             qkv = linear.qkv_proj(x)
-            k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
+            k_cache, v_cache = k_caches[index], v_caches[index]
             ops.rope_write_kv(
                 qkv, positions, self.rope_cos, self.rope_sin, k_cache, v_cache, slot_mapping,
                 cfg.num_heads, cfg.num_kv_heads,

@@ -1,4 +1,5 @@
-"""kvserve's own CPU kernels (ops.cpp), compiled on first use with torch's C++ extension builder.
+"""kvserve's own CPU kernels (one .cpp file per kernel, declared in ops.h), compiled on first use
+with torch's C++ extension builder.
 
 Each kernel fuses a chain of small torch ops on the decode hot path; the pure-torch function it
 replaces lives in kvserve/model/layer_ops.py (and kernels/attention_sdpa.py for attention), serves as
@@ -21,7 +22,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("ops.cpp")
+SOURCES = sorted(str(path) for path in Path(__file__).parent.glob("*.cpp"))
 # -ffp-contract=off: no FMA contraction, so float32 results round like the torch ops they replace.
 # -fno-trapping-math (as torch itself is built): without it GCC will not vectorize floor().
 CFLAGS = [
@@ -40,7 +41,7 @@ def load() -> ModuleType | None:
 
         return build(
             name="kvserve_cpu_ops",
-            sources=[str(SOURCE)],
+            sources=SOURCES,
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -1,0 +1,12 @@
+// The Python module: one entry per kernel in ops.h.
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace kvserve;
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight in out_dtype");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q,k of a fused qkv in place; k,v written to cache slots");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
+  m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
+  m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
+}

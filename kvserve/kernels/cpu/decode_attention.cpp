@@ -1,0 +1,266 @@
+// Decode attention over the paged KV cache (the reference: kernels/attention_ref.py).
+#include "common.h"
+#include "ops.h"
+
+namespace kvserve {
+
+// Tiled attention (FlashAttention's online softmax) for sequences with few new tokens, reading K/V
+// straight from the paged cache. One work item is one sequence and one KV head: it holds the softmax
+// state (m, l, acc) of every query row that reads that head -- each new token times the query heads
+// of its group -- and folds in one tile of kTile keys at a time, so each K/V row is read once and no
+// score matrix or gathered copy exists. Causal: the query at position p sees keys 0..p.
+//
+// q: [T, Hq, D], last dim contiguous (any row stride). caches: [num_blocks, block_size, Hkv, D]
+// contiguous. block_tables [B, W], seq_lens [B], cu_seqlens_q [B+1]: int64 (kernels/metadata.py).
+// seq_ids: which sequences to process. out: [>= T, Hq, D] contiguous; only their rows are written.
+constexpr int64_t kTile = 16;
+
+struct DecodeProblem {
+  int64_t hq, hkv, dim, block_size, q_row_stride, q_head_stride, table_width;
+  const int64_t *tables, *seq_lens, *cu_seqlens_q, *seq_ids;
+  int64_t num_seqs;
+  float scale;
+};
+
+// a . b over n floats. GCC vectorizes a plain reduction loop but finishes it with sixteen dependent
+// scalar adds from the stack; with AVX-512 the sum ends in a shuffle tree instead (3x faster here).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+#ifdef __AVX512F__
+  if (n % 16 == 0) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
+    return _mm512_reduce_add_ps(sum);
+  }
+#endif
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+#ifdef __AVX512BF16__
+// Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree of 45 shuffles
+// and adds for all sixteen, where sixteen separate horizontal sums cost ~130.
+inline __m512 sum_lanes_of_each(const __m512 (&v)[kTile]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of four vectors, in order
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // the four 128-bit lanes summed in pairs
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[j] = q . k_j for the first nkeys keys of a tile, bf16 straight from the cache (keys
+// `key_stride` elements apart): pairwise bf16 products are exact in float32 and summed in float32.
+inline void bf16_tile_scores(const uint16_t* __restrict q, const uint16_t* __restrict k, int64_t key_stride,
+                             int64_t nkeys, int64_t dim, float* __restrict scores) {
+  __m512 acc[kTile];
+  for (int64_t j = 0; j < kTile; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nkeys; ++j) {  // keys past nkeys may lie outside the cache: never read
+    for (int64_t i = 0; i < dim; i += 32) {
+      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(q + i),
+                                (__m512bh)_mm512_loadu_si512(k + j * key_stride + i));
+    }
+  }
+  _mm512_storeu_ps(scores, sum_lanes_of_each(acc));
+}
+#endif
+
+// Whether scores come from bf16_tile_scores (bf16 cache, AVX512-BF16, whole 32-element pairs) or
+// from float32 dot products over a widened copy of the K tile.
+template <typename T>
+inline bool bf16_scores(int64_t dim) {
+#ifdef __AVX512BF16__
+  return std::is_same_v<T, uint16_t> && dim % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// V rows and the accumulators are padded to a multiple of this many floats (one AVX-512 register)
+// with zeros, so the loops below run over whole registers with constant trip counts.
+constexpr int64_t kLanes = 16;
+
+inline int64_t padded_width(int64_t dim) { return (dim + kLanes - 1) / kLanes * kLanes; }
+
+// One row's online-softmax step for a tile of `visible` keys: turns the raw scores q.k into
+// p_j = exp(scale * q.k_j - m_new), 0 past `visible`, where m_new is the running max including this
+// tile; adds their sum to l after rescaling it, and returns alpha = exp(m_old - m_new), the factor
+// the row's accumulator must be rescaled by.
+inline float softmax_tile(float* __restrict scores, int64_t visible, float scale, float& m, float& l) {
+  float tile_max = -1e30f;
+#pragma omp simd reduction(max : tile_max)
+  for (int64_t j = 0; j < kTile; ++j) {
+    scores[j] = j < visible ? scores[j] * scale : -1e30f;  // scores past `visible` are not defined
+    tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+  }
+  const float m_new = m > tile_max ? m : tile_max;
+  const float alpha = fast_exp(m - m_new);
+  float tile_sum = 0.f;
+#pragma omp simd reduction(+ : tile_sum)
+  for (int64_t j = 0; j < kTile; ++j) {
+    scores[j] = j < visible ? fast_exp(scores[j] - m_new) : 0.f;
+    tile_sum += scores[j];
+  }
+  l = l * alpha + tile_sum;
+  m = m_new;
+  return alpha;
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
+// float32 [kTile, width]. Each kLanes-wide slice of a row's acc stays in a register across the
+// tile's keys, and the rows' slices are independent chains issued back to back: computed row by row,
+// each key waited for the previous key's add and the exp before it (measured 1.5x slower).
+inline void accumulate_tile(const float* __restrict probs, const float* __restrict alpha, const int64_t* visible,
+                            const float* __restrict v, int64_t nrows, int64_t width, float* __restrict acc) {
+  for (int64_t slice = 0; slice < width; slice += kLanes) {
+    for (int64_t r = 0; r < nrows; ++r) {
+      if (visible[r] <= 0) continue;
+      const float* p = probs + r * kTile;
+      float* row_acc = acc + r * width + slice;
+      float a[kLanes];
+#pragma omp simd
+      for (int64_t i = 0; i < kLanes; ++i) a[i] = row_acc[i] * alpha[r];
+      for (int64_t j = 0; j < visible[r]; ++j) {
+        const float pj = p[j];
+#pragma omp simd
+        for (int64_t i = 0; i < kLanes; ++i) a[i] += pj * v[j * width + slice + i];
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < kLanes; ++i) row_acc[i] = a[i];
+    }
+  }
+}
+
+// dst[j, :dim] = src[j, :dim] as float32 for nkeys rows, src rows `key_stride` apart, dst rows `width`.
+template <typename T>
+void widen_tile(const T* __restrict src, int64_t key_stride, int64_t nkeys, int64_t dim, int64_t width,
+                float* __restrict dst) {
+  for (int64_t j = 0; j < nkeys; ++j) {
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) dst[j * width + i] = to_float(src[j * key_stride + i]);
+  }
+}
+
+// Asks for the K and V rows of this item's next tile (keys key .. key+kTile-1 of the sequence, at
+// most to the end of their block and of the sequence) while the current one is computed: cache
+// blocks lie anywhere, so the hardware prefetcher loses the stream at every block boundary.
+template <typename T>
+inline void prefetch_tile(const DecodeProblem& p, const int64_t* table, int64_t key, int64_t slen, const T* k_cache,
+                          const T* v_cache, int64_t head_offset) {
+  if (key >= slen) return;
+  const int64_t in_block = key % p.block_size;
+  const int64_t nkeys = std::min({kTile, p.block_size - in_block, slen - key});
+  const int64_t first = (table[key / p.block_size] * p.block_size + in_block) * p.hkv * p.dim + head_offset;
+  const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < nkeys; ++j) {
+    const char* k_row = reinterpret_cast<const char*>(k_cache + first + j * p.hkv * p.dim);
+    const char* v_row = reinterpret_cast<const char*>(v_cache + first + j * p.hkv * p.dim);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(k_row + b, _MM_HINT_T0);
+      _mm_prefetch(v_row + b, _MM_HINT_T0);
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_cache, T* out) {
+  const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
+  const bool bf16_dot = bf16_scores<T>(dim);
+  const int64_t width = padded_width(dim);
+  at::parallel_for(0, p.num_seqs * hkv, 1, [=](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
+    std::vector<float> qf, acc, m, l, kf(kTile * dim, 0.f), vf(kTile * width, 0.f);  // vf's padding stays 0
+    std::vector<const T*> q_rows;
+    std::vector<int64_t> last_key, visible;  // per row: last key it may see; keys of this tile it sees
+    std::vector<float> probs, alpha;  // per row: [kTile] scores, then probabilities; rescale factor
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = p.seq_ids[item / hkv], h = item % hkv;
+      const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
+      const int64_t nrows = qlen * group;  // row r: token r / group, query head h * group + r % group
+      q_rows.resize(nrows);
+      qf.resize(nrows * dim);
+      acc.assign(nrows * width, 0.f);
+      m.assign(nrows, -1e30f);  // a finite floor: exp(m_old - m_new) never sees (-inf) - (-inf)
+      l.assign(nrows, 0.f);
+      last_key.resize(nrows);
+      visible.resize(nrows);
+      probs.resize(nrows * kTile);
+      alpha.resize(nrows);
+      for (int64_t r = 0; r < nrows; ++r) {
+        q_rows[r] = q + (row0 + r / group) * p.q_row_stride + (h * group + r % group) * p.q_head_stride;
+        if (!bf16_dot) widen_tile(q_rows[r], 0, 1, dim, dim, &qf[r * dim]);
+        last_key[r] = slen - qlen + r / group;  // causal: the row sees keys 0 .. its own position
+      }
+      const int64_t* table = p.tables + seq * p.table_width;
+      // Tiles of up to kTile keys inside one cache block, so no key index is divided per key.
+      for (int64_t block_start = 0; block_start < slen; block_start += p.block_size) {
+        const int64_t block_base = table[block_start / p.block_size] * p.block_size;
+        const int64_t block_keys = std::min(p.block_size, slen - block_start);
+        for (int64_t tile = 0; tile < block_keys; tile += kTile) {
+          const int64_t kv_start = block_start + tile, nkeys = std::min(kTile, block_keys - tile);
+          prefetch_tile(p, table, kv_start + nkeys, slen, k_cache, v_cache, h * dim);
+          const T* ks = k_cache + (block_base + tile) * key_len + h * dim;
+          widen_tile(v_cache + (block_base + tile) * key_len + h * dim, key_len, nkeys, dim, width, vf.data());
+          if (!bf16_dot) widen_tile(ks, key_len, nkeys, dim, dim, kf.data());
+          for (int64_t r = 0; r < nrows; ++r) {
+            visible[r] = std::min(nkeys, last_key[r] - kv_start + 1);
+            if (visible[r] <= 0) continue;
+            float* scores = &probs[r * kTile];
+#ifdef __AVX512BF16__
+            if (bf16_dot) {
+              bf16_tile_scores(reinterpret_cast<const uint16_t*>(q_rows[r]), reinterpret_cast<const uint16_t*>(ks),
+                               key_len, visible[r], dim, scores);
+            }
+#endif
+            if (!bf16_dot) {
+              for (int64_t j = 0; j < visible[r]; ++j) scores[j] = dot(&qf[r * dim], &kf[j * dim], dim);
+            }
+            alpha[r] = softmax_tile(scores, visible[r], p.scale, m[r], l[r]);
+          }
+          accumulate_tile(probs.data(), alpha.data(), visible.data(), vf.data(), nrows, width, acc.data());
+        }
+      }
+      for (int64_t r = 0; r < nrows; ++r) {
+        T* dst = out + ((row0 + r / group) * hq + h * group + r % group) * dim;
+        const float inv = 1.f / l[r];  // l >= 1: every row sees key 0 and its own max term exp(0)
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<T>(acc[r * width + i] * inv);
+      }
+    }
+  });
+}
+
+void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                      at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale) {
+  RECORD_FUNCTION("kvserve::decode_attention", {});  // named in torch profiler traces
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, caches and out must share one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head counts or dims disagree");
+  TORCH_CHECK(out.is_contiguous() && out.size(1) == q.size(1) && out.size(2) == q.size(2) && out.size(0) >= q.size(0),
+              "out must be contiguous [>= T, Hq, D]");
+  for (const auto& t : {block_tables, seq_lens, cu_seqlens_q, seq_ids}) {
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "index tensors must be contiguous int64");
+  }
+  const DecodeProblem problem{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), q.stride(0), q.stride(1),
+                              block_tables.size(1), block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                              cu_seqlens_q.data_ptr<int64_t>(), seq_ids.data_ptr<int64_t>(), seq_ids.size(0),
+                              static_cast<float>(scale)};
+  KVSERVE_DISPATCH(q.scalar_type(), [&] {
+    decode_attention_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
+                            raw<scalar_t>(out));
+  });
+}
+
+}  // namespace kvserve
