@@ -8,12 +8,14 @@ Rows:
   (the Python/op overhead, from the torch profiler over a few steps);
 - served: `kvserve serve` started here, driven by kvserve's replay client (`kvserve bench serve`):
   100 requests 128/128 all at once; Poisson 2 req/s x 60; max-concurrency 1 x 6;
-  the same client against every `--peer NAME=URL` (an OpenAI-compatible server already running).
+  the same client against every `--peer NAME=URL` (an OpenAI-compatible server, running already or
+  started by `--peer-launch NAME=COMMAND` just for its own rows, so that servers never share the cores).
 Prints a table of output tok/s, TTFT and TPOT p50/p99, failures and peak RSS, with ratios to kvserve;
 writes JSON.
 
     python benchmarks/cpu_performance.py [--dtype bfloat16] [--skip-hf] [--skip-served]
         [--peer vllm=http://127.0.0.1:8001 --peer llamacpp=http://127.0.0.1:8002]
+        [--peer-launch vllm="COMMAND that starts it" ...]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -110,6 +113,21 @@ def _peak_rss_mb(pid: int) -> float | None:
     return None
 
 
+def wait_until_ready(proc: subprocess.Popen, url: str, path: str, name: str, timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited during start-up")
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s")
+
+
 def start_kvserve(dtype: str, threads: int | None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--dtype", dtype]
@@ -117,18 +135,25 @@ def start_kvserve(dtype: str, threads: int | None) -> tuple[subprocess.Popen, st
         cmd += ["--num-threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("kvserve serve exited during start-up")
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("kvserve serve did not become healthy")
+    wait_until_ready(proc, url, "/health", "kvserve serve", 300)
+    return proc, url
+
+
+def peer_runs(name: str, url: str, model: str | None, launch: str | None) -> list[dict[str, Any]]:
+    """The served rows against a peer; with `launch` (a shell line) the peer is started just before
+    and stopped just after, so no two servers share the cores while either is measured."""
+    proc = None
+    if launch:
+        proc = subprocess.Popen(launch, shell=True, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+        wait_until_ready(proc, url, "/v1/models", name, 600)
+    try:
+        model = model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        return served_runs(name, url, model)
+    finally:
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=120)
 
 
 def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
@@ -167,6 +192,10 @@ def main() -> None:
     parser.add_argument("--server-threads", type=int, default=None, help="torch threads of the kvserve server")
     parser.add_argument("--peer", action="append", default=[], help="NAME=URL of a running OpenAI-compatible server")
     parser.add_argument("--peer-model", default=None, help="model name the peers serve (default: ask /v1/models)")
+    parser.add_argument(
+        "--peer-launch", action="append", default=[],
+        help="NAME=COMMAND: start peer NAME with this shell line right before its rows, stop it after",
+    )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
     args = parser.parse_args()
 
@@ -190,10 +219,10 @@ def main() -> None:
             results["kvserve_server_peak_rss_mb"] = _peak_rss_mb(proc.pid)
             proc.terminate()
             proc.wait(timeout=60)
+        launches = dict(launch.split("=", 1) for launch in args.peer_launch)
         for peer in args.peer:
             name, _, peer_url = peer.partition("=")
-            model = args.peer_model or httpx.get(peer_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-            served += served_runs(name, peer_url, model)
+            served += peer_runs(name, peer_url, args.peer_model, launches.get(name))
     results["served"] = served
 
     if offline:

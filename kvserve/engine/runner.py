@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kernels.backends import runs_compiled_decode
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.llama import AttentionFn, LlamaModel
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.attention = attention
+        self.compiled_decode = runs_compiled_decode(attention)
 
     def execute(self, spans: list[Span], num_layers: int | None = None) -> torch.Tensor:
         """Forward pass over the spans; logits [rows, vocab] float32 (rows in span order)."""
@@ -105,6 +107,7 @@ class ModelRunner:
             meta,
             self.attention,
             num_layers=num_layers,
+            compiled_decode=self.compiled_decode,
         )
         if not logit_rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

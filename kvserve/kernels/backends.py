@@ -45,6 +45,12 @@ def auto_cpu_attention(
     return sdpa_attention(q, k_cache, v_cache, meta, scale)
 
 
+def runs_compiled_decode(attention: AttentionFn) -> bool:
+    """Whether `attention` sends every decode row to the compiled CPU kernel, so a model may run a
+    small decode step as one compiled call (LlamaModel.forward's `compiled_decode`)."""
+    return attention in (cpu_attention, auto_cpu_attention) and cpu.load() is not None
+
+
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionFn:
     if name == "auto_cpu":
         return auto_cpu_attention

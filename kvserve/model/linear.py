@@ -33,7 +33,7 @@ def _onednn_packing_works(weight: torch.Tensor) -> bool:
     return out.shape == (1, 2) and bool((out == 3).all())
 
 
-def _gemv_kernels() -> ModuleType | None:
+def gemv_kernels() -> ModuleType | None:
     """The compiled kernels if their bf16 GEMV runs on this CPU (it needs AVX512-BF16), else None."""
     kernels = cpu.load()
     if kernels is None:
@@ -51,7 +51,7 @@ def make_linear(weight: torch.Tensor) -> LinearFn:
         return lambda x: F.linear(x, weight)
     # The batch-size hint only tunes the blocking; the packed weight accepts any number of rows.
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    kernels = _gemv_kernels()
+    kernels = gemv_kernels()
     if kernels is None:
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     few_rows = kernels.GEMV_MAX_ROWS

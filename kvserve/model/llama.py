@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import layer_ops_for
-from kvserve.model.linear import LinearFn, make_linear
+from kvserve.model.linear import LinearFn, gemv_kernels, make_linear
 from kvserve.model.weights import ModelWeights
 
 
@@ -69,6 +69,13 @@ class LlamaModel:
         self.final_norm = self.weights.final_norm.float()
         self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)
         self.ops = layer_ops_for(device)
+        # The compiled decode step (kernels/cpu/decode_layers.cpp) needs every linear to be the bf16
+        # GEMV; it takes each layer's tensors in this order.
+        self.decode_kernels = gemv_kernels() if dtype == torch.bfloat16 and device.type == "cpu" else None
+        self.decode_layer_tensors = [
+            (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, *norms)
+            for layer, norms in zip(self.weights.layers, self.norms, strict=True)
+        ]
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.q_size = config.num_heads * config.head_dim
 
@@ -82,14 +89,25 @@ class LlamaModel:
         meta: AttentionMetadata,
         attention: AttentionFn,
         num_layers: int | None = None,
+        compiled_decode: bool = False,
     ) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden]. `num_layers` < all runs a truncated (self-draft) model."""
+        """Final-normed hidden states [T, hidden]. `num_layers` < all runs a truncated (self-draft) model.
+        `compiled_decode`: `attention` is the CPU decode kernel's backend, so a step of at most
+        GEMV_MAX_ROWS tokens (every sequence a decode row) may run as one compiled call."""
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         layers = list(zip(self.linears, self.norms, strict=True))[:num_layers]
         t = input_ids.shape[0]
         # h, the float32 residual stream, is updated in place by add_rms_norm, which also normalizes
         # it for the next block: each layer's two residual adds are fused into the following norm.
         h = F.embedding(input_ids, self.weights.embed_tokens).float()
+        kernels = self.decode_kernels
+        if compiled_decode and kernels is not None and t <= kernels.GEMV_MAX_ROWS:
+            return kernels.decode_layers(
+                h, [tensor for group in self.decode_layer_tensors[: len(layers)] for tensor in group],
+                self.final_norm, eps, positions, self.rope_cos, self.rope_sin, kv_cache, slot_mapping,
+                meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), self.scale,
+                cfg.num_heads, cfg.num_kv_heads,
+            )  # fmt: skip
         x = ops.add_rms_norm(h, None, layers[0][1][0], eps, self.dtype)
         k_caches, v_caches = (kind.unbind(0) for kind in kv_cache.unbind(1))  # per-layer views, 3 calls
         for index, (linear, (_, mlp_norm)) in enumerate(layers):

@@ -9,4 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
+  m.def("decode_layers", &decode_layers, "every decoder layer of a 1-2 token decode step (bf16), final norm applied");
 }

@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace kvserve {
 
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight, double eps,
@@ -16,5 +18,11 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
 // one row on the layer shapes, ~1.5x at two, even at four (the weight is no longer the only cost).
 constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
+// decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm.
+constexpr int64_t kTensorsPerLayer = 6;
+at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, at::Tensor final_norm, double eps,
+                         at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
+                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids,
+                         double scale, int64_t hq, int64_t hkv);
 
 }  // namespace kvserve

@@ -1,0 +1,52 @@
+"""The compiled decode step (kernels/cpu/decode_layers.cpp) against the Python layer loop it replaces,
+on the real bundled model in bf16: same kernels in the same order, so the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvserve import LLM, SamplingParams
+from kvserve.kernels import cpu
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def llm_bf16() -> LLM:
+    if cpu.load() is None:
+        pytest.fail("the CPU kernels must build on the machines kvserve is tested on")
+    return LLM(dtype="bfloat16", enable_prefix_caching=False)
+
+
+def generate(llm: LLM, prompts: list[str], compiled: bool, **params) -> tuple[list[list[int]], bool]:
+    """Token ids, and whether any step ran the compiled decode call."""
+    llm.engine.runner.compiled_decode = compiled
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **params))
+    return [o.token_ids for o in outs], any(e.key == "kvserve::decode_layers" for e in prof.key_averages())
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch 1", "batch 2"])
+def test_compiled_decode_gives_the_python_loops_tokens(llm_bf16, prompts) -> None:
+    assert llm_bf16.engine.runner.compiled_decode, "the default CPU backend must allow the compiled step"
+    try:
+        compiled, ran = generate(llm_bf16, prompts, compiled=True)
+        python, ran_without = generate(llm_bf16, prompts, compiled=False)
+    finally:
+        llm_bf16.engine.runner.compiled_decode = True
+    assert ran and not ran_without
+    assert compiled == python
+    assert all(len(ids) == 12 for ids in compiled)
+
+
+def test_compiled_decode_is_not_used_above_gemv_rows(llm_bf16) -> None:
+    """Three sequences decoding together are three rows: the Python loop (oneDNN linears) runs."""
+    _, ran = generate(llm_bf16, [*PROMPTS, "Once upon a time"], compiled=True)
+    assert not ran
+
+
+def test_float32_models_never_take_the_bf16_step(llm_fp32) -> None:
+    assert llm_fp32.engine.model.dtype == torch.float32
+    assert llm_fp32.engine.model.decode_kernels is None
