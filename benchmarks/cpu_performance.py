@@ -174,6 +174,8 @@ def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
                 "tpot_p50_ms": s["median_tpot_ms"],
                 "tpot_p99_ms": s["p99_tpot_ms"],
                 "failed": s["failed"],
+                # Why requests failed, so that a failure in a long run can be traced afterwards.
+                "failures": [f"{r.id}: {r.error or 'no tokens'}" for r in records if not r.ok],
             }
         )
     return rows
