@@ -9,9 +9,12 @@ Threading invariants:
 - The thread steps while the engine has work and sleeps on a condition variable otherwise.
 
 `kvserve serve` runs the loop on the process's main thread (`run`) and uvicorn beside it: on this
-CPU, torch's OpenMP/oneDNN matrix products called from a non-main thread ran 3x slower (a 3072x576
-bf16 projection at one row: 56 us on the main thread, 169 us on another), which made a served decode
-step 27.6 ms against 17.5 ms offline. Embedders (tests, Ray replicas) may still `start` a thread.
+CPU every short OpenMP parallel region started from a non-main thread runs 1.5-5x slower, as if the
+team's workers slept between regions: oneDNN's 3072x576 bf16 projection at one row 143 vs 236 us,
+kvserve's GEMV 56 vs 144 us, silu_mul at 64 rows 37 vs 208 us (OMP_WAIT_POLICY=passive makes the
+main thread as slow; OMP_WAIT_POLICY=active and GOMP_SPINCOUNT do not help the other thread). A
+served decode step took 27.6 ms on a thread against 17.5 ms offline. Embedders (tests, Ray
+replicas) may still `start` a thread.
 """
 
 from __future__ import annotations
