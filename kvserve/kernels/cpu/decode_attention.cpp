@@ -116,7 +116,9 @@ inline float softmax_tile(float* __restrict scores, int64_t visible, float scale
 }
 
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
-// float32 [kTile, width]. Each kLanes-wide slice of a row's acc stays in a register across the
+// float32 [kTile, width]. The products are fused into the sums (std::fma, one rounding, where the
+// file's -ffp-contract=off would round twice): attention is compared with the float64 oracle within
+// a tolerance, not with a torch op bit for bit, and the fused form was 3-10 % faster per call. Each kLanes-wide slice of a row's acc stays in a register across the
 // tile's keys, and the rows' slices are independent chains issued back to back: computed row by row,
 // each key waited for the previous key's add and the exp before it (measured 1.5x slower).
 inline void accumulate_tile(const float* __restrict probs, const float* __restrict alpha, const int64_t* visible,
@@ -132,7 +134,7 @@ inline void accumulate_tile(const float* __restrict probs, const float* __restri
       for (int64_t j = 0; j < visible[r]; ++j) {
         const float pj = p[j];
 #pragma omp simd
-        for (int64_t i = 0; i < kLanes; ++i) a[i] += pj * v[j * width + slice + i];
+        for (int64_t i = 0; i < kLanes; ++i) a[i] = std::fma(pj, v[j * width + slice + i], a[i]);
       }
 #pragma omp simd
       for (int64_t i = 0; i < kLanes; ++i) row_acc[i] = a[i];
