@@ -10,6 +10,7 @@ LM head 3.7 -> 2.3 ms. At one or two rows (batch-1 decode) kvserve's own bf16 GE
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -33,8 +34,10 @@ def _onednn_packing_works(weight: torch.Tensor) -> bool:
     return out.shape == (1, 2) and bool((out == 3).all())
 
 
+@functools.cache
 def gemv_kernels() -> ModuleType | None:
-    """The compiled kernels if their bf16 GEMV runs on this CPU (it needs AVX512-BF16), else None."""
+    """The compiled kernels if their bf16 GEMV runs on this CPU (it needs AVX512-BF16), else None.
+    Probed once per process: every linear layer and the model ask."""
     kernels = cpu.load()
     if kernels is None:
         return None
