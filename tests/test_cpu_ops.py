@@ -133,6 +133,58 @@ def test_cpu_attention_is_stable_for_huge_logits(kernels, dtype) -> None:
     assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+AMX_CASES = [
+    # (query_lens, seq_lens, head_dim, block_size): decode at step and block edges, verify rows of 1-8
+    # tokens (24 rows: two 16-row chunks), a fresh 1-token sequence, head dim 32, 32-key blocks.
+    ([1, 1, 1, 1], [1, 16, 32, 33], 64, 16),
+    ([1, 4, 8, 1, 3, 6], [90, 4, 100, 33, 300, 64], 64, 16),
+    ([1, 5, 2], [37, 70, 130], 32, 32),
+]
+
+
+@pytest.fixture
+def amx(kernels):
+    if not kernels.amx_attention_available():
+        pytest.skip("no AMX-BF16 on this CPU")
+    yield kernels
+    kernels.set_amx_attention(True)
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "head_dim", "block_size"), AMX_CASES)
+def test_amx_attention_matches_the_oracle_and_the_vector_kernel(amx, query_lens, seq_lens, head_dim, block_size):
+    q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, head_dim, block_size, torch.bfloat16, seed=7)
+    scale = head_dim**-0.5
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, scale, torch.float64)
+    outs = []
+    for use_amx in (True, False):
+        amx.set_amx_attention(use_amx)
+        outs.append(cpu_attention(q, k, v, meta, scale).double())
+    for out in outs:
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+    # The two kernels differ only in rounding (bf16 probabilities in the AMX products).
+    assert ((outs[0] - outs[1]).norm() / ref.norm()).item() < 1e-2
+    assert not torch.equal(outs[0], outs[1]), "both runs took the same kernel"
+
+
+def test_amx_attention_rescales_when_later_keys_score_higher(amx) -> None:
+    """Scores that climb along the sequence move the running max after the first step, by more than
+    the lazy-rescale threshold: the stored output must be rescaled, or the late keys would dominate
+    by a factor of e^(their lead) too much (or overflow)."""
+    q, k, v, meta = random_paged_inputs([1, 2], [300, 200], 9, 3, 64, 16, torch.bfloat16, seed=11)
+    q = torch.ones_like(q)
+    positions = torch.arange(16, dtype=torch.float32).repeat(k.shape[0], 1)
+    block_order = torch.zeros(k.shape[0])
+    for table, length in zip(meta.block_tables.tolist(), meta.seq_lens.tolist(), strict=True):
+        for i, block in enumerate(table[: -(-length // 16)]):
+            block_order[block] = i
+    key_position = (block_order[:, None] * 16 + positions) / 10  # score ~ 6.4 * position / 10 along each sequence
+    k = (key_position[:, :, None, None] * torch.ones(1, 1, 3, 64) / 64).to(torch.bfloat16)
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 1.0, torch.float64)
+    out = cpu_attention(q, k, v, meta, 1.0).double()
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (37, 1536), (3, 32)])
 def test_gemv_matches_a_float32_product(kernels, rows, out_features, in_features) -> None:

@@ -2,7 +2,9 @@
 sequences with few new tokens, torch SDPA for prefill chunks.
 
 The compiled kernel is FlashAttention's online softmax with the cache block as the KV tile, reading
-K/V where they lie in the paged cache: no gathered copy, no score matrix. Prefill
+K/V where they lie in the paged cache: no gathered copy, no score matrix. With a bf16 cache on a CPU
+with AMX (head dim 32 or 64, blocks a multiple of 16 keys) its products run on the AMX tiles
+(decode_attention_amx.cpp), elsewhere on AVX-512 or plain loops. Prefill
 rows are a matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py).
 """
 

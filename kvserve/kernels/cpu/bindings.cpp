@@ -7,6 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q,k of a fused qkv in place; k,v written to cache slots");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
+  m.def("set_amx_attention", &set_amx_attention, "allow decode_attention's AMX kernel (default); returns the old value");
+  m.def("amx_attention_available", &amx_attention_available, "whether decode_attention can use AMX here");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
   m.def("decode_layers", &decode_layers, "every decoder layer of a 1-2 token decode step (bf16), final norm applied");

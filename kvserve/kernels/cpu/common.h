@@ -107,4 +107,27 @@ inline float fast_exp(float x) {
   return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
+#ifdef __AVX512F__
+// fast_exp on sixteen lanes, the same operations in the same order (so the same results). GCC leaves
+// fast_exp scalar in some loops (the softmax of a tile was), where this is ~10x fewer instructions.
+inline __m512 fast_exp16(__m512 x) {
+  const auto mul = [](__m512 a, __m512 b) { return _mm512_mul_ps(a, b); };
+  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
+  const auto c = [](float v) { return _mm512_set1_ps(v); };
+  x = _mm512_min_ps(_mm512_max_ps(x, c(-87.3f)), c(88.3f));
+  const __m512 n = _mm512_roundscale_ps(add(mul(x, c(1.44269504088896341f)), c(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = add(_mm512_sub_ps(x, mul(n, c(0.693359375f))), mul(n, c(2.12194440e-4f)));
+  __m512 p = c(1.9875691500e-4f);
+  p = add(mul(p, r), c(1.3981999507e-3f));
+  p = add(mul(p, r), c(8.3334519073e-3f));
+  p = add(mul(p, r), c(4.1665795894e-2f));
+  p = add(mul(p, r), c(1.6666665459e-1f));
+  p = add(mul(p, r), c(5.0000001201e-1f));
+  const __m512 y = add(add(mul(mul(p, r), r), r), c(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return mul(y, _mm512_castsi512_ps(bits));
+}
+#endif
+
 }  // namespace kvserve

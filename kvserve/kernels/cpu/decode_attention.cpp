@@ -1,5 +1,5 @@
 // Decode attention over the paged KV cache (the reference: kernels/attention_ref.py).
-#include "common.h"
+#include "decode_attention.h"
 #include "ops.h"
 
 namespace kvserve {
@@ -14,14 +14,7 @@ namespace kvserve {
 // q: [T, Hq, D], last dim contiguous (any row stride). caches: [num_blocks, block_size, Hkv, D]
 // contiguous. block_tables [B, W], seq_lens [B], cu_seqlens_q [B+1]: int64 (kernels/metadata.py).
 // seq_ids: which sequences to process. out: [>= T, Hq, D] contiguous; only their rows are written.
-constexpr int64_t kTile = 16;
-
-struct DecodeProblem {
-  int64_t hq, hkv, dim, block_size, q_row_stride, q_head_stride, table_width;
-  const int64_t *tables, *seq_lens, *cu_seqlens_q, *seq_ids;
-  int64_t num_seqs;
-  float scale;
-};
+// bf16 caches go to the AMX kernel (decode_attention_amx.cpp) where the CPU has it and the shapes fit.
 
 // a . b over n floats. GCC vectorizes a plain reduction loop but finishes it with sixteen dependent
 // scalar adds from the stack; with AVX-512 the sum ends in a shuffle tree instead (3x faster here).
@@ -92,30 +85,6 @@ constexpr int64_t kLanes = 16;
 
 inline int64_t padded_width(int64_t dim) { return (dim + kLanes - 1) / kLanes * kLanes; }
 
-// One row's online-softmax step for a tile of `visible` keys: turns the raw scores q.k into
-// p_j = exp(scale * q.k_j - m_new), 0 past `visible`, where m_new is the running max including this
-// tile; adds their sum to l after rescaling it, and returns alpha = exp(m_old - m_new), the factor
-// the row's accumulator must be rescaled by.
-inline float softmax_tile(float* __restrict scores, int64_t visible, float scale, float& m, float& l) {
-  float tile_max = -1e30f;
-#pragma omp simd reduction(max : tile_max)
-  for (int64_t j = 0; j < kTile; ++j) {
-    scores[j] = j < visible ? scores[j] * scale : -1e30f;  // scores past `visible` are not defined
-    tile_max = scores[j] > tile_max ? scores[j] : tile_max;
-  }
-  const float m_new = m > tile_max ? m : tile_max;
-  const float alpha = fast_exp(m - m_new);
-  float tile_sum = 0.f;
-#pragma omp simd reduction(+ : tile_sum)
-  for (int64_t j = 0; j < kTile; ++j) {
-    scores[j] = j < visible ? fast_exp(scores[j] - m_new) : 0.f;
-    tile_sum += scores[j];
-  }
-  l = l * alpha + tile_sum;
-  m = m_new;
-  return alpha;
-}
-
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
 // float32 [kTile, width]. The products are fused into the sums (std::fma, one rounding, where the
 // file's -ffp-contract=off would round twice): attention is compared with the float64 oracle within
@@ -162,28 +131,6 @@ void regroup_tile(const Src* __restrict src, int64_t key_stride, int64_t nkeys, 
           d[i] = s[i];
         }
       }
-    }
-  }
-}
-
-// Asks for the K and V rows of this item's next tile (keys key .. key+kTile-1 of the sequence, at
-// most to the end of their block and of the sequence; `heads` KV heads from `first_head`) while the
-// current one is computed: cache blocks lie anywhere, so the hardware prefetcher loses the stream at
-// every block boundary.
-template <typename T>
-inline void prefetch_tile(const DecodeProblem& p, const int64_t* table, int64_t key, int64_t slen, const T* k_cache,
-                          const T* v_cache, int64_t first_head, int64_t heads) {
-  if (key >= slen) return;
-  const int64_t in_block = key % p.block_size;
-  const int64_t nkeys = std::min({kTile, p.block_size - in_block, slen - key});
-  const int64_t first = (table[key / p.block_size] * p.block_size + in_block) * p.hkv * p.dim + first_head * p.dim;
-  const int64_t row_bytes = heads * p.dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < nkeys; ++j) {
-    const char* k_row = reinterpret_cast<const char*>(k_cache + first + j * p.hkv * p.dim);
-    const char* v_row = reinterpret_cast<const char*>(v_cache + first + j * p.hkv * p.dim);
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(k_row + b, _MM_HINT_T0);
-      _mm_prefetch(v_row + b, _MM_HINT_T0);
     }
   }
 }
@@ -297,6 +244,11 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
                               cu_seqlens_q.data_ptr<int64_t>(), seq_ids.data_ptr<int64_t>(), seq_ids.size(0),
                               static_cast<float>(scale)};
   KVSERVE_DISPATCH(q.scalar_type(), [&] {
+    if (amx_decode_supported(problem) &&
+        decode_attention_amx(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
+                             raw<scalar_t>(out))) {
+      return;
+    }
     decode_attention_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
                             raw<scalar_t>(out));
   });

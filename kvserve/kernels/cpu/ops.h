@@ -14,6 +14,11 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
 at::Tensor silu_mul(at::Tensor gate_up);
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                       at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale);
+// Whether decode_attention may use the AMX kernel where it applies (the default); returns the previous
+// setting. For tests and benchmarks that compare it with the AVX-512 kernel.
+bool set_amx_attention(bool enabled);
+// Whether this build and CPU can run it at all (AMX-BF16, and the OS grants the tile state).
+bool amx_attention_available();
 // The most rows of x gemv_bf16 takes. Measured against oneDNN's packed kernels here: 3-4x faster at
 // one row on the layer shapes, ~1.5x at two, even at four (the weight is no longer the only cost).
 constexpr int64_t kGemvMaxRows = 2;

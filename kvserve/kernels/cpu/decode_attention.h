@@ -1,0 +1,85 @@
+// Shared by the decode attention kernels (decode_attention.cpp: AVX-512 and portable;
+// decode_attention_amx.cpp: Intel AMX tiles): the problem description, the tile of keys, the online
+// softmax step and the prefetch of the next tile.
+#pragma once
+
+#include "common.h"
+
+namespace kvserve {
+
+constexpr int64_t kTile = 16;
+
+struct DecodeProblem {
+  int64_t hq, hkv, dim, block_size, q_row_stride, q_head_stride, table_width;
+  const int64_t *tables, *seq_lens, *cu_seqlens_q, *seq_ids;
+  int64_t num_seqs;
+  float scale;
+};
+
+// One row's online-softmax step for a tile of `visible` keys: turns the raw scores q.k into
+// p_j = exp(scale * q.k_j - m_new), 0 past `visible`, where m_new is the running max including this
+// tile; adds their sum to l after rescaling it, and returns alpha = exp(m_old - m_new), the factor
+// the row's accumulator must be rescaled by.
+inline float softmax_tile(float* __restrict scores, int64_t visible, float scale, float& m, float& l) {
+#ifdef __AVX512F__
+  static_assert(kTile == 16, "one AVX-512 register of scores per tile");
+  const __mmask16 seen = visible >= kTile ? 0xFFFFu : visible <= 0 ? 0u : (1u << visible) - 1u;
+  // Scores past `visible` are not defined: they become -1e30 for the max and 0 after the exp.
+  const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), seen, _mm512_loadu_ps(scores), _mm512_set1_ps(scale));
+  const float tile_max = _mm512_reduce_max_ps(s);
+  const float m_new = m > tile_max ? m : tile_max;
+  const float alpha = fast_exp(m - m_new);
+  const __m512 probs = _mm512_maskz_mov_ps(seen, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+  _mm512_storeu_ps(scores, probs);
+  l = l * alpha + _mm512_reduce_add_ps(probs);
+#else
+  float tile_max = -1e30f;
+  for (int64_t j = 0; j < kTile; ++j) {
+    scores[j] = j < visible ? scores[j] * scale : -1e30f;  // scores past `visible` are not defined
+    tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+  }
+  const float m_new = m > tile_max ? m : tile_max;
+  const float alpha = fast_exp(m - m_new);
+  float tile_sum = 0.f;
+  for (int64_t j = 0; j < kTile; ++j) {
+    scores[j] = j < visible ? fast_exp(scores[j] - m_new) : 0.f;
+    tile_sum += scores[j];
+  }
+  l = l * alpha + tile_sum;
+#endif
+  m = m_new;
+  return alpha;
+}
+
+// Asks for the K and V rows of this item's next tile (keys key .. key+kTile-1 of the sequence, at
+// most to the end of their block and of the sequence; `heads` KV heads from `first_head`) while the
+// current one is computed: cache blocks lie anywhere, so the hardware prefetcher loses the stream at
+// every block boundary.
+template <typename T>
+inline void prefetch_tile(const DecodeProblem& p, const int64_t* table, int64_t key, int64_t slen, const T* k_cache,
+                          const T* v_cache, int64_t first_head, int64_t heads) {
+  if (key >= slen) return;
+  const int64_t in_block = key % p.block_size;
+  const int64_t nkeys = std::min({kTile, p.block_size - in_block, slen - key});
+  const int64_t first = (table[key / p.block_size] * p.block_size + in_block) * p.hkv * p.dim + first_head * p.dim;
+  const int64_t row_bytes = heads * p.dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < nkeys; ++j) {
+    const char* k_row = reinterpret_cast<const char*>(k_cache + first + j * p.hkv * p.dim);
+    const char* v_row = reinterpret_cast<const char*>(v_cache + first + j * p.hkv * p.dim);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(k_row + b, _MM_HINT_T0);
+      _mm_prefetch(v_row + b, _MM_HINT_T0);
+    }
+  }
+}
+
+// The AMX kernel (decode_attention_amx.cpp), for bf16 caches where amx_decode_supported says the
+// shapes and the CPU allow it. The float32 overload computes nothing and returns false.
+bool amx_decode_supported(const DecodeProblem& p);
+bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache,
+                          const uint16_t* v_cache, uint16_t* out);
+inline bool decode_attention_amx(const DecodeProblem&, const float*, const float*, const float*, float*) {
+  return false;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,273 @@
+// Decode attention on Intel AMX tiles (bf16 caches): decode_attention.cpp's tiled online softmax, with
+// the two products of each step -- scores q.k and the probability-weighted sum of V -- done as tile
+// matrix products (TDPBF16PS: bf16 pairs multiplied exactly, summed in float32).
+//
+// Orientation, chosen so that K is read from the cache as it lies:
+//   scores^T [key][row] = K [key][d] . Q^T          (16 K rows of a cache block are an A tile as they
+//                                                    lie; Q^T, built once per item, is the B tile)
+//   out [row][d]       += P [row][key] . V [key][d] (V regrouped into key pairs, the B-tile layout;
+//                                                    P rounded to bf16 as FlashAttention does, the
+//                                                    row sums l kept in float32)
+// Work items are (sequence, KV head); query rows go in chunks of 16 (a tile's rows), one chunk for
+// SmolLM2's 3 query heads per KV head up to 5 new tokens. Keys go in steps of 32: two 16-key score
+// tiles (each inside one cache block: the dispatcher sends only block sizes that are multiples of 16,
+// so all 16 rows lie in the block even when fewer keys are valid -- the rest are masked, their V rows
+// zeroed), then one P.V product of depth 32.
+//
+// Why the output stays in tile registers: AMX tiles are not renamed, so storing the output after
+// every step and rescaling it (as the vector kernel does) serializes the whole step on the
+// products' latency; that version was only 1.1x faster than the AVX-512 kernel. Here the output tiles
+// accumulate across steps, and the softmax is rescaled lazily: each row's exponentials are taken
+// against a reference max m that moves only when a step's max exceeds it by more than kRescaleAbove
+// (then the output tiles are stored, scaled and reloaded, rarely after the first steps). Every
+// probability is then <= e^kRescaleAbove, far inside float32 and bf16 range, and the result is the
+// same softmax: the reference cancels in out / l.
+#include "decode_attention.h"
+
+#include <atomic>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cpuid.h>
+#endif
+
+namespace kvserve {
+
+namespace {
+std::atomic<bool> amx_enabled{true};
+}  // namespace
+
+bool set_amx_attention(bool enabled) { return amx_enabled.exchange(enabled); }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace {
+
+constexpr int64_t kChunkRows = 16;     // query rows per tile
+constexpr int64_t kDimsPerChunk = 32;  // bf16 elements in one 64-byte tile row
+constexpr int64_t kStepKeys = 2 * kTile;
+constexpr int64_t kMaxDim = 64;        // four output tiles of 16 float32 columns
+constexpr float kRescaleAbove = 8.f;   // natural-log units: probabilities stay <= e^8 ~ 3e3
+
+// Tile registers, all 16 rows x 64 bytes. Macros, not constants: GCC's _tile_* intrinsics paste the
+// register number into the instruction text.
+#define TILE_SCORES 0  // scores^T [16 keys][16 rows] float32
+#define TILE_KEYS 1    // K [16 keys][32 dims] bf16, read from the cache block
+#define TILE_B 2       // the B operand: Q^T [16 dim pairs][16 rows] or V [16 key pairs][16 dims], bf16 pairs
+#define TILE_PROBS 3   // P [16 rows][32 keys] bf16
+#define TILE_OUT0 4    // out [16 rows][16 dims] float32: dims 0-15, then 16-31, 32-47, 48-63
+#define TILE_OUT1 5
+#define TILE_OUT2 6
+#define TILE_OUT3 7
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  return config;
+}
+
+// The CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile registers (Linux
+// grants the large tile state per process on request; oneDNN asks too, so this is usually a no-op).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = (edx >> 22) & 1u, amx_tile = (edx >> 24) & 1u;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// values[i][d][0..1] = (v[2i][d], v[2i+1][d]) for a block's kTile/2 key pairs: the B-tile layout.
+// Rows at or past `nkeys` are zeros, not the block's stale rows: their probability is 0, and 0 times a
+// stale NaN would still be NaN.
+void regroup_value_pairs(const uint16_t* __restrict v, int64_t key_stride, int64_t nkeys, int64_t dim,
+                         uint16_t* __restrict values) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t pair = 0; pair < kTile / 2; ++pair) {
+    const uint16_t* first = v + 2 * pair * key_stride;
+    const uint16_t* second = first + key_stride;
+    uint16_t* dst = values + pair * dim * 2;
+    for (int64_t d = 0; d < dim; d += kDimsPerChunk) {
+      const __m512i a = 2 * pair < nkeys ? _mm512_loadu_si512(first + d) : _mm512_setzero_si512();
+      const __m512i b = 2 * pair + 1 < nkeys ? _mm512_loadu_si512(second + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(dst + 2 * d + kDimsPerChunk, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+// The output tiles to and from `acc` [16 rows][dim] float32 (dim 32 or 64: two or four tiles).
+void store_output(float* acc, int64_t dim) {
+  _tile_stored(TILE_OUT0, acc, dim * 4);
+  _tile_stored(TILE_OUT1, acc + 16, dim * 4);
+  if (dim == kMaxDim) {
+    _tile_stored(TILE_OUT2, acc + 32, dim * 4);
+    _tile_stored(TILE_OUT3, acc + 48, dim * 4);
+  }
+}
+
+void load_output(const float* acc, int64_t dim) {
+  _tile_loadd(TILE_OUT0, acc, dim * 4);
+  _tile_loadd(TILE_OUT1, acc + 16, dim * 4);
+  if (dim == kMaxDim) {
+    _tile_loadd(TILE_OUT2, acc + 32, dim * 4);
+    _tile_loadd(TILE_OUT3, acc + 48, dim * 4);
+  }
+}
+
+// out += P . V over one step, V regrouped [16 key pairs][dim][2] (rows dim * 4 bytes apart).
+void accumulate_output(const uint16_t* probs, const uint16_t* values, int64_t dim) {
+  _tile_loadd(TILE_PROBS, probs, kStepKeys * 2);
+  _tile_loadd(TILE_B, values, dim * 4);
+  _tile_dpbf16ps(TILE_OUT0, TILE_PROBS, TILE_B);
+  _tile_loadd(TILE_B, values + 32, dim * 4);
+  _tile_dpbf16ps(TILE_OUT1, TILE_PROBS, TILE_B);
+  if (dim == kMaxDim) {
+    _tile_loadd(TILE_B, values + 64, dim * 4);
+    _tile_dpbf16ps(TILE_OUT2, TILE_PROBS, TILE_B);
+    _tile_loadd(TILE_B, values + 96, dim * 4);
+    _tile_dpbf16ps(TILE_OUT3, TILE_PROBS, TILE_B);
+  }
+}
+
+// Lanes below n set.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u; }
+
+}  // namespace
+
+bool amx_attention_available() { return amx_permitted(); }
+
+bool amx_decode_supported(const DecodeProblem& p) {
+  return amx_enabled && (p.dim == 32 || p.dim == kMaxDim) && p.block_size % kTile == 0 && amx_permitted();
+}
+
+bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache,
+                          const uint16_t* v_cache, uint16_t* out) {
+  const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
+  const int64_t dim_chunks = dim / kDimsPerChunk;
+  at::parallel_for(0, p.num_seqs * hkv, 1, [=](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
+    const TileConfig config = tile_config();
+    _tile_loadconfig(&config);
+    alignas(64) float scores_t[kStepKeys * kChunkRows];      // [key][row]: two score tiles
+    alignas(64) uint16_t probs[kChunkRows * kStepKeys] = {};  // [row][key]; rows past the chunk stay finite
+    alignas(64) uint16_t values[kStepKeys * kMaxDim];         // [key pair][d][2]
+    alignas(64) float acc[kChunkRows * kMaxDim];              // [row][d]
+    alignas(64) uint32_t query_t[kMaxDim / 2 * kChunkRows];   // [dim pair][row] bf16 pairs
+    float m[kChunkRows], l[kChunkRows], alpha[kChunkRows];
+    int64_t last_key[kChunkRows];
+    const __m512i key_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(kChunkRows));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = p.seq_ids[item / hkv], head = item % hkv;
+      const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
+      const int64_t* table = p.tables + seq * p.table_width;
+      const int64_t head_rows = qlen * group;  // row r: token r / group, query head head * group + r % group
+      for (int64_t first_row = 0; first_row < head_rows; first_row += kChunkRows) {
+        const int64_t rows = std::min(kChunkRows, head_rows - first_row);
+        std::fill(std::begin(query_t), std::end(query_t), 0u);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t token = (first_row + r) / group, q_head = head * group + (first_row + r) % group;
+          const uint16_t* q_row = q + (row0 + token) * p.q_row_stride + q_head * p.q_head_stride;
+          for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(&query_t[pair * kChunkRows + r], q_row + 2 * pair, 4);
+          last_key[r] = slen - qlen + token;  // causal: the row sees keys 0 .. its own position
+          m[r] = -1e30f;  // a finite floor: exp(m_old - m_new) never sees (-inf) - (-inf)
+          l[r] = 0.f;
+        }
+        _tile_zero(TILE_OUT0);
+        _tile_zero(TILE_OUT1);
+        _tile_zero(TILE_OUT2);
+        _tile_zero(TILE_OUT3);
+        for (int64_t step = 0; step < slen; step += kStepKeys) {
+          // Two 16-key halves, each inside one block; a half past the sequence is not read at all.
+          for (int64_t half = 0; half < 2; ++half) {
+            const int64_t key = step + half * kTile, nkeys = std::min(kTile, slen - key);
+            if (nkeys <= 0) {
+              std::memset(values + half * kTile * dim, 0, kTile * dim * sizeof(uint16_t));
+              continue;
+            }
+            prefetch_tile(p, table, key + kStepKeys, slen, k_cache, v_cache, head, 1);
+            const int64_t at = (table[key / p.block_size] * p.block_size + key % p.block_size) * key_len + head * dim;
+            regroup_value_pairs(v_cache + at, key_len, nkeys, dim, values + half * kTile * dim);
+            _tile_zero(TILE_SCORES);
+            for (int64_t c = 0; c < dim_chunks; ++c) {
+              _tile_loadd(TILE_KEYS, k_cache + at + c * kDimsPerChunk, key_len * 2);
+              _tile_loadd(TILE_B, query_t + c * 16 * kChunkRows, kChunkRows * 4);
+              _tile_dpbf16ps(TILE_SCORES, TILE_KEYS, TILE_B);
+            }
+            _tile_stored(TILE_SCORES, scores_t + half * kTile * kChunkRows, kChunkRows * 4);
+          }
+          bool rescale = false;
+          for (int64_t r = 0; r < rows; ++r) {
+            // This row's 32 scores (a column of the stored tiles) and which of them it sees.
+            const int64_t visible = std::min(slen - step, last_key[r] - step + 1);
+            const __mmask16 seen_low = first_lanes(visible), seen_high = first_lanes(visible - kTile);
+            const __m512 scale = _mm512_set1_ps(p.scale), floor = _mm512_set1_ps(-1e30f);
+            const __m512 low = _mm512_mask_mul_ps(floor, seen_low, _mm512_i32gather_ps(key_rows, scores_t + r, 4), scale);
+            const __m512 high = _mm512_mask_mul_ps(
+                floor, seen_high, _mm512_i32gather_ps(key_rows, scores_t + kTile * kChunkRows + r, 4), scale);
+            const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
+            alpha[r] = 1.f;
+            if (step_max > m[r] + kRescaleAbove) {
+              alpha[r] = fast_exp(m[r] - step_max);
+              l[r] *= alpha[r];
+              m[r] = step_max;
+              rescale = true;
+            }
+            const __m512 ref = _mm512_set1_ps(m[r]);
+            const __m512 p_low = _mm512_maskz_mov_ps(seen_low, fast_exp16(_mm512_sub_ps(low, ref)));
+            const __m512 p_high = _mm512_maskz_mov_ps(seen_high, fast_exp16(_mm512_sub_ps(high, ref)));
+            l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p_low, p_high));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys), (__m256i)_mm512_cvtneps_pbh(p_low));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys + kTile),
+                                (__m256i)_mm512_cvtneps_pbh(p_high));
+          }
+          if (rescale && step > 0) {  // before the first step the output is still zero
+            store_output(acc, dim);
+            for (int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+              for (int64_t i = 0; i < dim; ++i) acc[r * dim + i] *= alpha[r];
+            }
+            load_output(acc, dim);
+          }
+          accumulate_output(probs, values, dim);
+        }
+        store_output(acc, dim);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t token = (first_row + r) / group, q_head = head * group + (first_row + r) % group;
+          uint16_t* dst = out + ((row0 + token) * hq + q_head) * dim;
+          const float inv = 1.f / l[r];  // l >= 1: every row sees key 0 and its own max term exp(0)
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<uint16_t>(acc[r * dim + i] * inv);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return true;
+}
+#else
+bool amx_attention_available() { return false; }
+bool amx_decode_supported(const DecodeProblem&) { return false; }
+bool decode_attention_amx(const DecodeProblem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*) {
+  return false;
+}
+#endif
+
+}  // namespace kvserve
