@@ -133,6 +133,25 @@ def test_cpu_attention_is_stable_for_huge_logits(kernels, dtype) -> None:
     assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch_max(kernels, dtype) -> None:
+    """First maximal index, ties included; -inf rows; NaN counts as the maximum (the first one wins),
+    whether it lies in the vector body or the tail; rows with a stride; vocab below one vector."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(shape, generator=gen) for shape in ((100, 49152), (1, 49152), (3, 17), (5, 1), (7, 33))]
+    cases.append(torch.randint(0, 3, (50, 1000), generator=gen).float())  # many ties
+    all_inf = torch.full((4, 100), float("-inf"))
+    all_inf[1, 50] = 0
+    cases.append(all_inf)
+    nans = torch.randn(4, 100, generator=gen)
+    nans[0, 37] = nans[0, 60] = nans[2, 99] = nans[3, 0] = float("nan")
+    cases.append(nans)
+    cases.append(torch.randn(10, 200, generator=gen)[:, 3:150])
+    for logits in cases:
+        logits = logits.to(dtype)
+        assert torch.equal(kernels.argmax_rows(logits), logits.max(dim=-1).indices)
+
+
 AMX_CASES = [
     # (query_lens, seq_lens, head_dim, block_size): decode at step and block edges, verify rows of 1-8
     # tokens (24 rows: two 16-row chunks), a fresh 1-token sequence, head dim 32, 32-key blocks.

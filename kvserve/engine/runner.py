@@ -71,7 +71,7 @@ class ModelRunner:
         self.compiled_decode = runs_compiled_decode(attention)
 
     def execute(self, spans: list[Span], num_layers: int | None = None) -> torch.Tensor:
-        """Forward pass over the spans; logits [rows, vocab] float32 (rows in span order)."""
+        """Forward pass over the spans; logits [rows, vocab] in the model dtype (rows in span order)."""
         bs = self.cache.block_size
         tokens: list[int] = []
         logit_rows: list[int] = []

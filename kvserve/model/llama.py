@@ -126,5 +126,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given rows only (callers select the rows they sample from)."""
-        return self.lm_head(hidden).float()
+        """Logits for the given rows only (callers select the rows they sample from), in the model dtype:
+        the LM head's own output, which the sampler widens to float32 only where it computes with it
+        (a greedy step reads the bf16 rows as they are; widening 100 rows cost 2 ms a step)."""
+        return self.lm_head(hidden)

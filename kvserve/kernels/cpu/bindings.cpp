@@ -6,6 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight in out_dtype");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q,k of a fused qkv in place; k,v written to cache slots");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "first maximal index of each row (NaN counts as the maximum)");
   m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
   m.def("set_amx_attention", &set_amx_attention, "allow decode_attention's AMX kernel (default); returns the old value");
   m.def("amx_attention_available", &amx_attention_available, "whether decode_attention can use AMX here");

@@ -12,6 +12,7 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at
 void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                    at::Tensor v_cache, at::Tensor slots, int64_t hq, int64_t hkv);
 at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor argmax_rows(at::Tensor logits);
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                       at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale);
 // Whether decode_attention may use the AMX kernel where it applies (the default); returns the previous
