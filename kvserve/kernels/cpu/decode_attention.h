@@ -9,12 +9,16 @@ namespace kvserve {
 
 constexpr int64_t kTile = 16;
 
+// One decode_attention call (the tensors' layout is described in decode_attention.cpp).
 struct DecodeProblem {
   int64_t hq, hkv, dim, block_size, q_row_stride, q_head_stride, table_width;
   const int64_t *tables, *seq_lens, *cu_seqlens_q, *seq_ids;
   int64_t num_seqs;
   float scale;
 };
+
+// The lanes below n set (n clamped to 0..16): which of a tile's keys a row sees.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u; }
 
 // One row's online-softmax step for a tile of `visible` keys: turns the raw scores q.k into
 // p_j = exp(scale * q.k_j - m_new), 0 past `visible`, where m_new is the running max including this
@@ -23,7 +27,7 @@ struct DecodeProblem {
 inline float softmax_tile(float* __restrict scores, int64_t visible, float scale, float& m, float& l) {
 #ifdef __AVX512F__
   static_assert(kTile == 16, "one AVX-512 register of scores per tile");
-  const __mmask16 seen = visible >= kTile ? 0xFFFFu : visible <= 0 ? 0u : (1u << visible) - 1u;
+  const __mmask16 seen = first_lanes(visible);
   // Scores past `visible` are not defined: they become -1e30 for the max and 0 after the exp.
   const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), seen, _mm512_loadu_ps(scores), _mm512_set1_ps(scale));
   const float tile_max = _mm512_reduce_max_ps(s);

@@ -146,9 +146,6 @@ void accumulate_output(const uint16_t* probs, const uint16_t* values, int64_t di
   }
 }
 
-// Lanes below n set.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u; }
-
 }  // namespace
 
 bool amx_attention_available() { return amx_permitted(); }
