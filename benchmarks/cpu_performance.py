@@ -156,7 +156,20 @@ def peer_runs(name: str, url: str, model: str | None, launch: str | None) -> lis
             proc.wait(timeout=120)
 
 
+def memory_gb_s() -> float:
+    """This machine's memory read speed now: two threads summing 270 MB of bf16 (the model's weights).
+    Every row here is memory-bound and this VM's figure moves 2x within a session, so each engine's
+    rows carry the figure measured just before them."""
+    x = torch.ones(135_000_000, dtype=torch.bfloat16)
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(3):
+        x.sum()
+    return 3 * x.numel() * 2 / (time.perf_counter() - start) / 1e9
+
+
 def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
+    machine = memory_gb_s()
     rows = []
     for run, (count, rate, concurrency, seed) in SERVED_RUNS.items():
         # Fresh prompts per run (a different seed): no run is served from a warm prefix cache.
@@ -174,6 +187,7 @@ def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
                 "tpot_p50_ms": s["median_tpot_ms"],
                 "tpot_p99_ms": s["p99_tpot_ms"],
                 "failed": s["failed"],
+                "machine_memory_gb_s": machine,
                 # Why requests failed, so that a failure in a long run can be traced afterwards.
                 "failures": [f"{r.id}: {r.error or 'no tokens'}" for r in records if not r.ok],
             }
@@ -261,15 +275,18 @@ def print_offline_rows(results: dict[str, Any], dtype: str) -> None:
 def print_served_rows(results: dict[str, Any], served: list[dict[str, Any]]) -> None:
     if served:
         print("\n## served (kvserve replay client, token-id prompts, ignore EOS)")
-        print("| run | engine | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | failed | kvserve tok/s ratio |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "| run | engine | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | failed | kvserve tok/s ratio "
+            "| machine GB/s before |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         base = {r["run"]: r["output_tok_s"] for r in served if r["engine"] == "kvserve"}
         for r in served:
             ratio = base.get(r["run"], 0) / r["output_tok_s"] if r["output_tok_s"] else None
             print(
                 f"| {r['run']} | {r['engine']} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_ms'])} / "
                 f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'])} / {_fmt(r['tpot_p99_ms'])} | {r['failed']} | "
-                f"{_fmt(ratio)} |"
+                f"{_fmt(ratio)} | {_fmt(r['machine_memory_gb_s'])} |"
             )
         print(f"\nkvserve server peak RSS: {_fmt(results.get('kvserve_server_peak_rss_mb'))} MB")
 

@@ -110,7 +110,7 @@ class ModelRunner:
             compiled_decode=self.compiled_decode,
         )
         if not logit_rows:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.model.config.vocab_size))  # the model dtype, as logits() gives
         if len(logit_rows) < len(tokens):  # rows are ascending and distinct: equal counts mean every row
             hidden = hidden[torch.tensor(logit_rows, device=device)]
         return self.model.logits(hidden)
