@@ -1,4 +1,5 @@
-"""CPU attention benchmark: tiled vs reference vs torch SDPA over the paged cache.
+"""CPU attention benchmark over the paged cache: the compiled kernel (with and without AMX), the
+tiled torch kernel, torch SDPA and the reference.
 
 Shapes are SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64), block size 16, with
 block tables shuffled as a busy pool leaves them. Time is the median (and min) of --repeats calls after
@@ -20,12 +21,32 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels import cpu
 from kvserve.kernels.attention_ref import random_paged_inputs
 from kvserve.kernels.backends import get_attention_backend
 from kvserve.kernels.peak_memory import peak_extra_memory
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
-BACKENDS = ("tiled", "sdpa", "reference")
+# "cpu" is the compiled kernel (AMX tiles for bf16 where the CPU has them), "cpu-avx512" the same
+# kernel with its AMX path off; both only where the kernels build.
+COMPILED = ("cpu", "cpu-avx512")
+BACKENDS = (*COMPILED, "tiled", "sdpa", "reference")
+
+
+def backend_call(name: str, q, k, v, meta, scale: float) -> Callable[[], object]:
+    if name != "cpu-avx512":
+        return functools.partial(get_attention_backend(name, "cpu"), q, k, v, meta, scale)
+    kernels = cpu.load()
+    attention = get_attention_backend("cpu", "cpu")
+
+    def without_amx() -> object:
+        previous = kernels.set_amx_attention(False)
+        try:
+            return attention(q, k, v, meta, scale)
+        finally:
+            kernels.set_amx_attention(previous)
+
+    return without_amx
 
 
 @dataclass
@@ -96,7 +117,9 @@ def main() -> None:
     for case in cases(args.quick):
         q, k, v, meta = random_paged_inputs(case.query_lens, case.seq_lens, HQ, HKV, D, BLOCK, dtype)
         for name in BACKENDS:
-            call = functools.partial(get_attention_backend(name, "cpu"), q, k, v, meta, scale)
+            if name in COMPILED and cpu.load() is None:
+                continue
+            call = backend_call(name, q, k, v, meta, scale)
             _, peak = peak_extra_memory(call)
             row = Row(case.name, name, *measure(call, args.repeats), peak / 2**20)
             rows.append(row)
