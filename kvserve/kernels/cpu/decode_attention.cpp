@@ -88,9 +88,10 @@ inline int64_t padded_width(int64_t dim) { return (dim + kLanes - 1) / kLanes * 
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
 // float32 [kTile, width]. The products are fused into the sums (std::fma, one rounding, where the
 // file's -ffp-contract=off would round twice): attention is compared with the float64 oracle within
-// a tolerance, not with a torch op bit for bit, and the fused form was 3-10 % faster per call. Each kLanes-wide slice of a row's acc stays in a register across the
-// tile's keys, and the rows' slices are independent chains issued back to back: computed row by row,
-// each key waited for the previous key's add and the exp before it (measured 1.5x slower).
+// a tolerance, not with a torch op bit for bit, and the fused form was 3-10 % faster per call. Each
+// kLanes-wide slice of a row's acc stays in a register across the tile's keys, and the rows' slices
+// are independent chains issued back to back: computed row by row, each key waited for the previous
+// key's add and the exp before it (measured 1.5x slower).
 inline void accumulate_tile(const float* __restrict probs, const float* __restrict alpha, const int64_t* visible,
                             const float* __restrict v, int64_t nrows, int64_t width, float* __restrict acc) {
   for (int64_t slice = 0; slice < width; slice += kLanes) {
@@ -159,8 +160,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / items_per_seq], first_head = item % items_per_seq * heads;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
-      // Row r: KV head first_head + r / head_rows; within it token (r % head_rows) / group and query
-      // head (its KV head) * group + r % group.
+      // Row r: row r % head_rows (query_row) of KV head first_head + r / head_rows.
       const int64_t head_rows = qlen * group, nrows = heads * head_rows;
       q_rows.resize(nrows);
       qf.resize(nrows * dim);
@@ -172,10 +172,10 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
       probs.resize(nrows * kTile);
       alpha.resize(nrows);
       for (int64_t r = 0; r < nrows; ++r) {
-        const int64_t token = r % head_rows / group, q_head = (first_head + r / head_rows) * group + r % group;
-        q_rows[r] = q + (row0 + token) * p.q_row_stride + q_head * p.q_head_stride;
+        const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
+        q_rows[r] = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
         if (!bf16_dot) regroup_tile(q_rows[r], 0, 1, 1, dim, dim, &qf[r * dim]);
-        last_key[r] = slen - qlen + token;  // causal: the row sees keys 0 .. its own position
+        last_key[r] = slen - qlen + row.token;  // causal: the row sees keys 0 .. its own position
       }
       const int64_t* table = p.tables + seq * p.table_width;
       // Tiles of up to kTile keys inside one cache block, so no key index is divided per key.
@@ -215,11 +215,8 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
         }
       }
       for (int64_t r = 0; r < nrows; ++r) {
-        const int64_t token = r % head_rows / group, q_head = (first_head + r / head_rows) * group + r % group;
-        T* dst = out + ((row0 + token) * hq + q_head) * dim;
-        const float inv = 1.f / l[r];  // l >= 1: every row sees key 0 and its own max term exp(0)
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<T>(acc[r * width + i] * inv);
+        const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
+        store_normalized(out + ((row0 + row.token) * hq + row.q_head) * dim, &acc[r * width], l[r], dim);
       }
     }
   });

@@ -17,6 +17,23 @@ struct DecodeProblem {
   float scale;
 };
 
+// Where query row r of a KV head reads and writes: row r of KV head `kv_head` is new token
+// r / group of its sequence (0-based among the sequence's new tokens), query head
+// kv_head * group + r % group. The same for every kernel, so both agree on the row order.
+struct QueryRow {
+  int64_t token, q_head;
+};
+inline QueryRow query_row(int64_t r, int64_t kv_head, int64_t group) { return {r / group, kv_head * group + r % group}; }
+
+// out's row for a query: acc / l, rounded once to the output dtype. l >= 1: in both kernels the
+// reference m is one of the row's own scores, whose term exp(0) = 1 is in l.
+template <typename T>
+inline void store_normalized(T* __restrict dst, const float* __restrict acc, float l, int64_t dim) {
+  const float inv = 1.f / l;
+#pragma omp simd
+  for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<T>(acc[i] * inv);
+}
+
 // The lanes below n set (n clamped to 0..16): which of a tile's keys a row sees.
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u; }
 

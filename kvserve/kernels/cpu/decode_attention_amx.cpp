@@ -175,15 +175,15 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
       const int64_t seq = p.seq_ids[item / hkv], head = item % hkv;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
       const int64_t* table = p.tables + seq * p.table_width;
-      const int64_t head_rows = qlen * group;  // row r: token r / group, query head head * group + r % group
+      const int64_t head_rows = qlen * group;  // rows in query_row's order
       for (int64_t first_row = 0; first_row < head_rows; first_row += kChunkRows) {
         const int64_t rows = std::min(kChunkRows, head_rows - first_row);
         std::fill(std::begin(query_t), std::end(query_t), 0u);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t token = (first_row + r) / group, q_head = head * group + (first_row + r) % group;
-          const uint16_t* q_row = q + (row0 + token) * p.q_row_stride + q_head * p.q_head_stride;
+          const QueryRow row = query_row(first_row + r, head, group);
+          const uint16_t* q_row = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
           for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(&query_t[pair * kChunkRows + r], q_row + 2 * pair, 4);
-          last_key[r] = slen - qlen + token;  // causal: the row sees keys 0 .. its own position
+          last_key[r] = slen - qlen + row.token;  // causal: the row sees keys 0 .. its own position
           m[r] = -1e30f;  // a finite floor: exp(m_old - m_new) never sees (-inf) - (-inf)
           l[r] = 0.f;
         }
@@ -247,11 +247,8 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
         }
         store_output(acc, dim);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t token = (first_row + r) / group, q_head = head * group + (first_row + r) % group;
-          uint16_t* dst = out + ((row0 + token) * hq + q_head) * dim;
-          const float inv = 1.f / l[r];  // l >= 1: every row sees key 0 and its own max term exp(0)
-#pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<uint16_t>(acc[r * dim + i] * inv);
+          const QueryRow row = query_row(first_row + r, head, group);
+          store_normalized(out + ((row0 + row.token) * hq + row.q_head) * dim, &acc[r * dim], l[r], dim);
         }
       }
     }
