@@ -12,7 +12,7 @@ from kvserve.kernels.attention_cpu import cpu_attention
 from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import TorchLayerOps, layer_ops_for
-from kvserve.model.linear import make_linear
+from kvserve.model.linear import AMX_MAX_ROWS, make_linear, pack_for_amx
 from kvserve.model.llama import rope_tables
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -227,9 +227,41 @@ def test_gemv_refuses_what_it_cannot_compute(kernels) -> None:
         kernels.gemv_bf16(torch.ones(1, 48, dtype=torch.bfloat16), torch.ones(4, 48, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+needs_amx = pytest.mark.skipif(
+    cpu.load() is None or not cpu.load().linear_amx_available(), reason="linear_amx needs AMX-BF16"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [3, 16, 17, 32, 33, 100, 256])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (64, 32)])
+def test_linear_amx_matches_a_float32_product(kernels, rows, out_features, in_features) -> None:
+    """Row counts around the 16-row tiles and 32-row blocks (the tail block is one tile or two); the
+    float32 product rounded once to bf16, as for the GEMV. A misplaced element in the packed layout
+    would be a wrong product, far outside one bf16 step."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    out = kernels.linear_amx(x, pack_for_amx(weight))
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    assert close(out, F.linear(x.float(), weight.float()), torch.bfloat16)
+
+
+@needs_amx
+def test_linear_amx_refuses_what_it_cannot_compute(kernels) -> None:
+    packed = pack_for_amx(torch.ones(64, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.linear_amx(torch.ones(4, 64), packed)
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.linear_amx(torch.ones(4, 96, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="packed"):
+        kernels.linear_amx(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
 def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows) -> None:
-    """bf16 linears switch from the GEMV to oneDNN above GEMV_MAX_ROWS rows: both sides agree."""
+    """bf16 linears switch from the GEMV to the AMX kernel (where the CPU has it) above GEMV_MAX_ROWS
+    rows and to oneDNN above AMX_MAX_ROWS: every side agrees."""
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(576, 576, generator=gen).bfloat16()
     x = torch.randn(rows, 576, generator=gen).bfloat16()

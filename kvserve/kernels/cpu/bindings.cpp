@@ -12,5 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_attention_available", &amx_attention_available, "whether decode_attention can use AMX here");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
+  m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16)");
+  m.def("linear_amx_available", &linear_amx_available, "whether linear_amx can run here");
   m.def("decode_layers", &decode_layers, "every decoder layer of a 1-2 token decode step (bf16), final norm applied");
 }

@@ -22,16 +22,10 @@
 // (then the output tiles are stored, scaled and reloaded, rarely after the first steps). Every
 // probability is then <= e^kRescaleAbove, far inside float32 and bf16 range, and the result is the
 // same softmax: the reference cancels in out / l.
+#include "amx.h"
 #include "decode_attention.h"
 
 #include <atomic>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cpuid.h>
-#endif
 
 namespace kvserve {
 
@@ -60,34 +54,6 @@ constexpr float kRescaleAbove = 8.f;   // natural-log units: probabilities stay 
 #define TILE_OUT1 5
 #define TILE_OUT2 6
 #define TILE_OUT3 7
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-TileConfig tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  return config;
-}
-
-// The CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile registers (Linux
-// grants the large tile state per process on request; oneDNN asks too, so this is usually a no-op).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amx_bf16 = (edx >> 22) & 1u, amx_tile = (edx >> 24) & 1u;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return amx_bf16 && amx_tile && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
 
 // values[i][d][0..1] = (v[2i][d], v[2i+1][d]) for a block's kTile/2 key pairs: the B-tile layout.
 // Rows at or past `nkeys` are zeros, not the block's stale rows: their probability is 0, and 0 times a
@@ -154,11 +120,47 @@ bool amx_decode_supported(const DecodeProblem& p) {
   return amx_enabled && (p.dim == 32 || p.dim == kMaxDim) && p.block_size % kTile == 0 && amx_permitted();
 }
 
+// Contiguous ranges of work items (sequence, KV head), one per thread, of about equal cost. A step
+// mixing prefill chunks with decode rows has items whose costs differ 100-fold, so equal item counts
+// (at::parallel_for's split) could leave one thread with all the prefill. Cost of an item: for each
+// chunk of 16 query rows, the keys it scans (up to its last row's position, whole steps) plus one
+// step for setting the chunk up.
+class ItemSplit {
+ public:
+  explicit ItemSplit(const DecodeProblem& p) : cost_(p.num_seqs * p.hkv + 1, 0) {
+    const int64_t group = p.hq / p.hkv, items = p.num_seqs * p.hkv;
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t seq = p.seq_ids[item / p.hkv];
+      const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq], slen = p.seq_lens[seq];
+      int64_t cost = 0;
+      for (int64_t first_row = 0; first_row < qlen * group; first_row += kChunkRows) {
+        const int64_t last_token = (std::min(first_row + kChunkRows, qlen * group) - 1) / group;
+        cost += (slen - qlen + last_token + kStepKeys) / kStepKeys + 1;
+      }
+      cost_[item + 1] = cost_[item] + cost;
+    }
+    parts_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  }
+  int64_t parts() const { return parts_; }
+  // The first item of part `part` (part == parts(): one past the last item).
+  int64_t first_item(int64_t part) const {
+    if (part >= parts_) return static_cast<int64_t>(cost_.size()) - 1;
+    const int64_t target = cost_.back() * part / parts_;
+    return std::lower_bound(cost_.begin(), cost_.end(), target) - cost_.begin();
+  }
+
+ private:
+  std::vector<int64_t> cost_;  // prefix sums: cost_[i] is the cost of items 0 .. i-1
+  int64_t parts_;
+};
+
 bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache,
                           const uint16_t* v_cache, uint16_t* out) {
   const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
   const int64_t dim_chunks = dim / kDimsPerChunk;
-  at::parallel_for(0, p.num_seqs * hkv, 1, [=](int64_t begin, int64_t end) {
+  const ItemSplit split(p);
+  at::parallel_for(0, split.parts(), 1, [=, &split](int64_t first_part, int64_t last_part) {
+    const int64_t begin = split.first_item(first_part), end = split.first_item(last_part);
     const FlushDenormals ftz;
     const TileConfig config = tile_config();
     _tile_loadconfig(&config);
@@ -191,15 +193,17 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
         _tile_zero(TILE_OUT1);
         _tile_zero(TILE_OUT2);
         _tile_zero(TILE_OUT3);
-        for (int64_t step = 0; step < slen; step += kStepKeys) {
-          // Two 16-key halves, each inside one block; a half past the sequence is not read at all.
+        // The chunk's last row (the latest token) sees the most keys; none sees a key past it.
+        const int64_t keys_end = std::min(slen, last_key[rows - 1] + 1);
+        for (int64_t step = 0; step < keys_end; step += kStepKeys) {
+          // Two 16-key halves, each inside one block; a half no row sees is not read at all.
           for (int64_t half = 0; half < 2; ++half) {
-            const int64_t key = step + half * kTile, nkeys = std::min(kTile, slen - key);
+            const int64_t key = step + half * kTile, nkeys = std::min(kTile, keys_end - key);
             if (nkeys <= 0) {
               std::memset(values + half * kTile * dim, 0, kTile * dim * sizeof(uint16_t));
               continue;
             }
-            prefetch_tile(p, table, key + kStepKeys, slen, k_cache, v_cache, head, 1);
+            prefetch_tile(p, table, key + kStepKeys, keys_end, k_cache, v_cache, head, 1);
             const int64_t at = (table[key / p.block_size] * p.block_size + key % p.block_size) * key_len + head * dim;
             regroup_value_pairs(v_cache + at, key_len, nkeys, dim, values + half * kTile * dim);
             _tile_zero(TILE_SCORES);
@@ -213,7 +217,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
           bool rescale = false;
           for (int64_t r = 0; r < rows; ++r) {
             // This row's 32 scores (a column of the stored tiles) and which of them it sees.
-            const int64_t visible = std::min(slen - step, last_key[r] - step + 1);
+            const int64_t visible = last_key[r] - step + 1;  // last_key < slen
             const __mmask16 seen_low = first_lanes(visible), seen_high = first_lanes(visible - kTile);
             const __m512 scale = _mm512_set1_ps(p.scale), floor = _mm512_set1_ps(-1e30f);
             const __m512 low = _mm512_mask_mul_ps(floor, seen_low, _mm512_i32gather_ps(key_rows, scores_t + r, 4), scale);

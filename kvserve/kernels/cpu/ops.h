@@ -24,6 +24,9 @@ bool amx_attention_available();
 // one row on the layer shapes, ~1.5x at two, even at four (the weight is no longer the only cost).
 constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
+// x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
+at::Tensor linear_amx(at::Tensor x, at::Tensor packed);
+bool linear_amx_available();
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm.
 constexpr int64_t kTensorsPerLayer = 6;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, at::Tensor final_norm, double eps,

@@ -1,0 +1,128 @@
+// y = x @ W^T for bf16 activations of a few dozen to a few hundred rows on Intel AMX tiles: the
+// batched decode step's projections and LM head.
+//
+// Why not oneDNN here: at 100 rows its packed kernel ran the step's 121 products at ~35-50 ms while the
+// weights alone stream in ~13-18 ms and the tiles need far less; the weight stream and the products
+// did not overlap. Here each thread walks its own contiguous run of the packed weight once, front to
+// back (the hardware prefetcher's best case), and reuses each 32-column panel for every row block
+// while it sits in L1/L2. (Software prefetch of the next panel during the current one changed nothing
+// measurable.)
+//
+// Layout: the weight is packed once at load (kvserve/model/linear.py) into B tiles,
+// packed[n_block][k_step] = 16 key-pairs x 16 columns x 2, i.e. element (n, k) of the 16 x 32 slice at
+// [(k / 2) * 32 + n * 2 + k % 2]: the VNNI layout TDPBF16PS reads. Rows of x are A tiles as they lie
+// (16 rows x 32 bf16, the row stride K). Register blocking: 2 row tiles x 2 column tiles -> 4 float32
+// result tiles, so each loaded tile feeds two products.
+#include "amx.h"
+#include "ops.h"
+
+namespace kvserve {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+namespace {
+
+constexpr int64_t kRows = 16, kCols = 16, kDepth = 32;  // one tile product: [16 x 32] . [32 x 16]
+constexpr int64_t kTileElems = kDepth * kCols;          // bf16 elements in one packed B tile
+
+#define TILE_A0 0
+#define TILE_A1 1
+#define TILE_B0 2
+#define TILE_B1 3
+#define TILE_C00 4  // rows 0-15 x columns 0-15 of the 32 x 32 block
+#define TILE_C01 5
+#define TILE_C10 6
+#define TILE_C11 7
+
+// One 32 x 32 block of y (16 x 32 with one row tile): rows m0.. of `a` (padded to whole 16-row
+// tiles) times column blocks 2 * pair and 2 * pair + 1 of the packed weight; rows past `rows` are not
+// stored.
+template <int kRowTiles>
+void block_product(const uint16_t* a, const uint16_t* packed, int64_t k_steps, int64_t k, int64_t m0,
+                   int64_t pair, int64_t rows, int64_t n, uint16_t* y) {
+  static_assert(kRowTiles == 1 || kRowTiles == 2);
+  const uint16_t* a0 = a + m0 * k;
+  const uint16_t* a1 = a0 + kRows * k;
+  const uint16_t* b0 = packed + 2 * pair * k_steps * kTileElems;
+  const uint16_t* b1 = b0 + k_steps * kTileElems;
+  _tile_zero(TILE_C00);
+  _tile_zero(TILE_C01);
+  if constexpr (kRowTiles == 2) {
+    _tile_zero(TILE_C10);
+    _tile_zero(TILE_C11);
+  }
+  for (int64_t s = 0; s < k_steps; ++s) {
+    _tile_loadd(TILE_A0, a0 + s * kDepth, k * 2);
+    _tile_loadd(TILE_B0, b0 + s * kTileElems, kCols * 4);
+    _tile_loadd(TILE_B1, b1 + s * kTileElems, kCols * 4);
+    _tile_dpbf16ps(TILE_C00, TILE_A0, TILE_B0);
+    _tile_dpbf16ps(TILE_C01, TILE_A0, TILE_B1);
+    if constexpr (kRowTiles == 2) {
+      _tile_loadd(TILE_A1, a1 + s * kDepth, k * 2);
+      _tile_dpbf16ps(TILE_C10, TILE_A1, TILE_B0);
+      _tile_dpbf16ps(TILE_C11, TILE_A1, TILE_B1);
+    }
+  }
+  alignas(64) float c[2 * kRows][2 * kCols];
+  _tile_stored(TILE_C00, &c[0][0], sizeof(c[0]));
+  _tile_stored(TILE_C01, &c[0][kCols], sizeof(c[0]));
+  if constexpr (kRowTiles == 2) {
+    _tile_stored(TILE_C10, &c[kRows][0], sizeof(c[0]));
+    _tile_stored(TILE_C11, &c[kRows][kCols], sizeof(c[0]));
+  }
+  for (int64_t r = 0; r < std::min(kRowTiles * kRows, rows - m0); ++r) {
+    uint16_t* dst = y + (m0 + r) * n + pair * 2 * kCols;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&c[r][0])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kCols),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&c[r][kCols])));
+  }
+}
+
+}  // namespace
+
+bool linear_amx_available() { return amx_permitted(); }
+
+at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
+  RECORD_FUNCTION("kvserve::linear_amx", {});  // named in torch profiler traces
+  TORCH_CHECK(amx_permitted(), "linear_amx needs AMX-BF16 (linear_amx_available() is false here)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x and packed must be bf16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) % 2 == 0 && packed.size(2) == kTileElems,
+              "packed must be [N/16 (even), K/32, 512] (pack_linear_amx's layout)");
+  const int64_t rows = x.size(0), k = x.size(1), k_steps = packed.size(1), n = packed.size(0) * kCols;
+  TORCH_CHECK(k == k_steps * kDepth, "x has ", k, " columns, the packed weight ", k_steps * kDepth);
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  // Tile loads read 16 whole rows: x padded with zero rows to whole tiles.
+  const int64_t padded_rows = (rows + kRows - 1) / kRows * kRows;
+  at::Tensor a = x;
+  if (padded_rows != rows) {
+    a = at::zeros({padded_rows, k}, x.options());
+    a.narrow(0, 0, rows).copy_(x);
+  }
+  const uint16_t* a_data = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // Row blocks of two tiles, the last of one tile where the rows leave 16 or fewer.
+  const int64_t full_blocks = padded_rows / (2 * kRows), row_blocks = (padded_rows + 2 * kRows - 1) / (2 * kRows);
+  at::parallel_for(0, n / (2 * kCols), 1, [=](int64_t begin, int64_t end) {
+    const TileConfig config = tile_config();
+    _tile_loadconfig(&config);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      for (int64_t block = 0; block < row_blocks; ++block) {
+        if (block < full_blocks) {
+          block_product<2>(a_data, w, k_steps, k, block * 2 * kRows, pair, rows, n, out);
+        } else {
+          block_product<1>(a_data, w, k_steps, k, block * 2 * kRows, pair, rows, n, out);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+#else
+bool linear_amx_available() { return false; }
+at::Tensor linear_amx(at::Tensor, at::Tensor) { TORCH_CHECK(false, "this build has no AMX kernels"); }
+#endif
+
+}  // namespace kvserve
