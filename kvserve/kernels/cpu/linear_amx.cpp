@@ -33,14 +33,13 @@ constexpr int64_t kTileElems = kDepth * kCols;          // bf16 elements in one 
 #define TILE_C10 6
 #define TILE_C11 7
 
-// One 32 x 32 block of y (16 x 32 with one row tile): rows m0.. of `a` (padded to whole 16-row
-// tiles) times column blocks 2 * pair and 2 * pair + 1 of the packed weight; rows past `rows` are not
-// stored.
+// One 32 x 32 block of y (16 x 32 with one row tile): the rows of x from `a0` on (16 x kRowTiles of
+// them, readable; stride k) times column blocks 2 * pair and 2 * pair + 1 of the packed weight,
+// stored as y's rows m0 .. m0 + valid_rows - 1.
 template <int kRowTiles>
-void block_product(const uint16_t* a, const uint16_t* packed, int64_t k_steps, int64_t k, int64_t m0,
-                   int64_t pair, int64_t rows, int64_t n, uint16_t* y) {
+void block_product(const uint16_t* a0, const uint16_t* packed, int64_t k_steps, int64_t k, int64_t m0,
+                   int64_t valid_rows, int64_t pair, int64_t n, uint16_t* y) {
   static_assert(kRowTiles == 1 || kRowTiles == 2);
-  const uint16_t* a0 = a + m0 * k;
   const uint16_t* a1 = a0 + kRows * k;
   const uint16_t* b0 = packed + 2 * pair * k_steps * kTileElems;
   const uint16_t* b1 = b0 + k_steps * kTileElems;
@@ -69,7 +68,7 @@ void block_product(const uint16_t* a, const uint16_t* packed, int64_t k_steps, i
     _tile_stored(TILE_C10, &c[kRows][0], sizeof(c[0]));
     _tile_stored(TILE_C11, &c[kRows][kCols], sizeof(c[0]));
   }
-  for (int64_t r = 0; r < std::min(kRowTiles * kRows, rows - m0); ++r) {
+  for (int64_t r = 0; r < valid_rows; ++r) {
     uint16_t* dst = y + (m0 + r) * n + pair * 2 * kCols;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&c[r][0])));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kCols),
@@ -92,29 +91,31 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(k == k_steps * kDepth, "x has ", k, " columns, the packed weight ", k_steps * kDepth);
   auto y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  // Tile loads read 16 whole rows: x padded with zero rows to whole tiles.
-  const int64_t padded_rows = (rows + kRows - 1) / kRows * kRows;
-  at::Tensor a = x;
-  if (padded_rows != rows) {
-    a = at::zeros({padded_rows, k}, x.options());
-    a.narrow(0, 0, rows).copy_(x);
-  }
-  const uint16_t* a_data = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
+  const uint16_t* x_data = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // Row blocks of two tiles, the last of one tile where the rows leave 16 or fewer.
-  const int64_t full_blocks = padded_rows / (2 * kRows), row_blocks = (padded_rows + 2 * kRows - 1) / (2 * kRows);
+  // Whole 32-row blocks are read from x as it lies. Tile loads read 16 whole rows, so the last rows
+  // (fewer than 32) are copied into a zero-padded block of one or two tiles; padding all of x cost
+  // ~4.5 ms in a 100-row decode step (121 products).
+  const int64_t full_blocks = rows / (2 * kRows), tail_rows = rows % (2 * kRows);
+  const int64_t tail_tiles = (tail_rows + kRows - 1) / kRows;
+  at::Tensor tail;
+  if (tail_rows > 0) {
+    tail = at::zeros({tail_tiles * kRows, k}, x.options());
+    tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, full_blocks * 2 * kRows, tail_rows));
+  }
+  const uint16_t* tail_data = tail_rows > 0 ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, n / (2 * kCols), 1, [=](int64_t begin, int64_t end) {
     const TileConfig config = tile_config();
     _tile_loadconfig(&config);
     for (int64_t pair = begin; pair < end; ++pair) {
-      for (int64_t block = 0; block < row_blocks; ++block) {
-        if (block < full_blocks) {
-          block_product<2>(a_data, w, k_steps, k, block * 2 * kRows, pair, rows, n, out);
-        } else {
-          block_product<1>(a_data, w, k_steps, k, block * 2 * kRows, pair, rows, n, out);
-        }
+      for (int64_t block = 0; block < full_blocks; ++block) {
+        const int64_t m0 = block * 2 * kRows;
+        block_product<2>(x_data + m0 * k, w, k_steps, k, m0, 2 * kRows, pair, n, out);
       }
+      const int64_t m0 = full_blocks * 2 * kRows;
+      if (tail_tiles == 2) block_product<2>(tail_data, w, k_steps, k, m0, tail_rows, pair, n, out);
+      if (tail_tiles == 1) block_product<1>(tail_data, w, k_steps, k, m0, tail_rows, pair, n, out);
     }
     _tile_release();
   });
