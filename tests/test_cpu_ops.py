@@ -87,7 +87,7 @@ def test_silu_mul_over_the_whole_range(kernels, dtype: torch.dtype) -> None:
 
 CASES = [
     # (query_lens, seq_lens): decode, verify (several new tokens), partial and exact blocks, a fresh
-    # 1-token sequence, and a prefill chunk that the backend hands to SDPA.
+    # 1-token sequence, and prefill chunks: bf16 on AMX, 40/40 runs on the kernel, 12/500 on SDPA.
     ([1, 1, 1], [1, 16, 17]),
     ([1, 4, 8, 1, 3], [90, 4, 100, 33, 300]),
     ([2, 40, 1, 12], [2, 40, 257, 500]),
@@ -158,6 +158,11 @@ AMX_CASES = [
     ([1, 1, 1, 1], [1, 16, 32, 33], 64, 16),
     ([1, 4, 8, 1, 3, 6], [90, 4, 100, 33, 300, 64], 64, 16),
     ([1, 5, 2], [37, 70, 130], 32, 32),
+    # Prefill rows on the AMX kernel (at most AMX_PREFILL_MAX_KEYS keys): whole prompts of 1 and 4 row
+    # chunks' worth and beyond, a chunk continuing a cached prefix, next to decode rows; and a
+    # sequence over the limit, which goes to SDPA in the same call.
+    ([128, 1, 21, 50, 9], [128, 200, 21, 250, 9], 64, 16),
+    ([300, 1], [300, 40], 64, 16),
 ]
 
 

@@ -5,6 +5,7 @@ get one call each, since padding a batch of unequal prompts to the longest waste
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,7 @@ def sdpa_attention(
     decode = [i for i, n in enumerate(qlens) if n <= DECODE_MAX_QUERY_LEN]
     if decode:
         _padded_decode(q, k_cache, v_cache, meta, scale, decode, out)
-    prefill_rows(q, k_cache, v_cache, meta, scale, out)
+    prefill_rows(q, k_cache, v_cache, meta, scale, out, [i for i, n in enumerate(qlens) if n > DECODE_MAX_QUERY_LEN])
     return out[:-1]
 
 
@@ -119,11 +120,9 @@ def prefill_rows(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    seqs: list[int],
 ) -> None:
-    """Writes the out rows of every sequence with more than DECODE_MAX_QUERY_LEN new tokens, one SDPA
-    call each (the decode rows are left to the caller)."""
-    row0 = 0
-    for i, n in enumerate(meta.query_lens_host):
-        if n > DECODE_MAX_QUERY_LEN:
-            out[row0 : row0 + n] = _one_prefill(q, k_cache, v_cache, meta, scale, i, row0)
-        row0 += n
+    """Writes the out rows of the sequences `seqs` (indices into the batch), one SDPA call each."""
+    row_starts = [0, *itertools.accumulate(meta.query_lens_host)]
+    for i in seqs:
+        out[row_starts[i] : row_starts[i + 1]] = _one_prefill(q, k_cache, v_cache, meta, scale, i, row_starts[i])

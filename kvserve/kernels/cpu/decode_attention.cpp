@@ -251,4 +251,11 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   });
 }
 
+bool amx_attention_applies(at::Tensor q, at::Tensor k_cache) {
+  DecodeProblem shape{};
+  shape.dim = q.size(-1);
+  shape.block_size = k_cache.size(1);
+  return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && amx_decode_supported(shape);
+}
+
 }  // namespace kvserve

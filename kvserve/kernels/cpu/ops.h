@@ -20,6 +20,10 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
 bool set_amx_attention(bool enabled);
 // Whether this build and CPU can run it at all (AMX-BF16, and the OS grants the tile state).
 bool amx_attention_available();
+// Whether decode_attention runs q [T, Hq, D] over k_cache [blocks, block_size, Hkv, D] on the AMX
+// kernel (dtype, head dim and block size allowed, AMX available and enabled). That kernel also takes
+// prefill rows, which the vector kernel is not meant for.
+bool amx_attention_applies(at::Tensor q, at::Tensor k_cache);
 // The most rows of x gemv_bf16 takes. Measured against oneDNN's packed kernels here: 3-4x faster at
 // one row on the layer shapes, ~1.5x at two, even at four (the weight is no longer the only cost).
 constexpr int64_t kGemvMaxRows = 2;
