@@ -22,10 +22,11 @@ from kvserve.kernels import cpu
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
-# The most rows linear_amx takes; more go to oneDNN. Measured over the model's 121 products (30 layers
-# and the LM head, weights streamed from memory, 2 threads), oneDNN / linear_amx time: 1.6-1.9x at 16
-# rows, 1.2-1.3x at 100, 1.3-1.5x at 256, 1.0-1.2x at 512, 0.7-0.8x at 2,048 (a prefill chunk).
-AMX_MAX_ROWS = 256
+# The most rows linear_amx takes; more go to oneDNN. `python benchmarks/linear.py` (the model's 121
+# products, weights streamed from memory, 2 threads), oneDNN / linear_amx time: 1.19x at 100 rows, 1.24x
+# at 256, 1.26x at 384, 1.02x at 512, 0.85x at 1,024. Up to 512 it also spares the mixed steps of
+# online traffic oneDNN's primitive creation for each new row count (~1.5 ms per product shape).
+AMX_MAX_ROWS = 512
 # Tile kernel operands: 32-column panels (two 16-column B tiles), 32-deep k steps.
 AMX_ALIGN = 32
 
