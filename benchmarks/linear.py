@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "linear.json")
     args = parser.parse_args()
     kernels = cpu.load()
-    if kernels is None or not kernels.linear_amx_available():
+    if kernels is None or not kernels.amx_available():
         raise SystemExit("linear_amx needs the compiled kernels and a CPU with AMX-BF16")
     gen = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * NUM_LAYERS + [LM_HEAD]

@@ -168,7 +168,7 @@ AMX_CASES = [
 
 @pytest.fixture
 def amx(kernels):
-    if not kernels.amx_attention_available():
+    if not kernels.amx_available():
         pytest.skip("no AMX-BF16 on this CPU")
     yield kernels
     kernels.set_amx_attention(True)
@@ -232,9 +232,7 @@ def test_gemv_refuses_what_it_cannot_compute(kernels) -> None:
         kernels.gemv_bf16(torch.ones(1, 48, dtype=torch.bfloat16), torch.ones(4, 48, dtype=torch.bfloat16))
 
 
-needs_amx = pytest.mark.skipif(
-    cpu.load() is None or not cpu.load().linear_amx_available(), reason="linear_amx needs AMX-BF16"
-)
+needs_amx = pytest.mark.skipif(cpu.load() is None or not cpu.load().amx_available(), reason="linear_amx needs AMX-BF16")
 
 
 @needs_amx

@@ -40,9 +40,12 @@ def cpu_attention(
     plan = meta.plans.get("cpu")
     if plan is None:
         longest = AMX_PREFILL_MAX_KEYS if kernels.amx_attention_applies(q, k_cache) else 0
-        lengths = list(zip(meta.query_lens_host, meta.seq_lens_host, strict=True))
-        on_kernel = [i for i, (n, s) in enumerate(lengths) if n <= DECODE_MAX_QUERY_LEN or s <= longest]
-        on_sdpa = [i for i, (n, s) in enumerate(lengths) if n > DECODE_MAX_QUERY_LEN and s > longest]
+        kernel_takes = [
+            n <= DECODE_MAX_QUERY_LEN or s <= longest
+            for n, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
+        ]
+        on_kernel = [i for i, takes in enumerate(kernel_takes) if takes]
+        on_sdpa = [i for i, takes in enumerate(kernel_takes) if not takes]
         plan = meta.plans["cpu"] = (torch.tensor(on_kernel, dtype=torch.int64), on_sdpa)
     on_kernel, on_sdpa = plan
     if len(on_kernel):

@@ -68,18 +68,14 @@ def make_linear(weight: torch.Tensor) -> LinearFn:
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     few_rows = kernels.GEMV_MAX_ROWS
     n, k = weight.shape
-    if not (kernels.linear_amx_available() and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0):
-        return lambda x: (
-            kernels.gemv_bf16(x, weight)
-            if x.shape[0] <= few_rows
-            else torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        )
-    tiles = pack_for_amx(weight)
+    amx = kernels.amx_available() and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
+    tiles = pack_for_amx(weight) if amx else None
+    amx_rows = AMX_MAX_ROWS if amx else few_rows  # without tiles nothing lies between GEMV and oneDNN
     return lambda x: (
         kernels.gemv_bf16(x, weight)
         if x.shape[0] <= few_rows
         else kernels.linear_amx(x.contiguous(), tiles)
-        if x.shape[0] <= AMX_MAX_ROWS
+        if x.shape[0] <= amx_rows
         else torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     )
 

@@ -114,10 +114,14 @@ void accumulate_output(const uint16_t* probs, const uint16_t* values, int64_t di
 
 }  // namespace
 
-bool amx_attention_available() { return amx_permitted(); }
-
 bool amx_decode_supported(const DecodeProblem& p) {
   return amx_enabled && (p.dim == 32 || p.dim == kMaxDim) && p.block_size % kTile == 0 && amx_permitted();
+}
+
+// One past the last key a chunk of query rows sees: its last row (rows are in query_row's order, so
+// the latest token) sees keys 0 .. its own position, and no row of the chunk sees further.
+inline int64_t chunk_keys_end(int64_t slen, int64_t qlen, int64_t group, int64_t first_row, int64_t rows) {
+  return slen - qlen + query_row(first_row + rows - 1, 0, group).token + 1;
 }
 
 // Contiguous ranges of work items (sequence, KV head), one per thread, of about equal cost. A step
@@ -134,8 +138,8 @@ class ItemSplit {
       const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq], slen = p.seq_lens[seq];
       int64_t cost = 0;
       for (int64_t first_row = 0; first_row < qlen * group; first_row += kChunkRows) {
-        const int64_t last_token = (std::min(first_row + kChunkRows, qlen * group) - 1) / group;
-        cost += (slen - qlen + last_token + kStepKeys) / kStepKeys + 1;
+        const int64_t rows = std::min(kChunkRows, qlen * group - first_row);
+        cost += (chunk_keys_end(slen, qlen, group, first_row, rows) + kStepKeys - 1) / kStepKeys + 1;
       }
       cost_[item + 1] = cost_[item] + cost;
     }
@@ -193,8 +197,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
         _tile_zero(TILE_OUT1);
         _tile_zero(TILE_OUT2);
         _tile_zero(TILE_OUT3);
-        // The chunk's last row (the latest token) sees the most keys; none sees a key past it.
-        const int64_t keys_end = std::min(slen, last_key[rows - 1] + 1);
+        const int64_t keys_end = chunk_keys_end(slen, qlen, group, first_row, rows);
         for (int64_t step = 0; step < keys_end; step += kStepKeys) {
           // Two 16-key halves, each inside one block; a half no row sees is not read at all.
           for (int64_t half = 0; half < 2; ++half) {
@@ -261,7 +264,6 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
   return true;
 }
 #else
-bool amx_attention_available() { return false; }
 bool amx_decode_supported(const DecodeProblem&) { return false; }
 bool decode_attention_amx(const DecodeProblem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*) {
   return false;

@@ -78,15 +78,13 @@ void block_product(const uint16_t* a0, const uint16_t* packed, int64_t k_steps, 
 
 }  // namespace
 
-bool linear_amx_available() { return amx_permitted(); }
-
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
   RECORD_FUNCTION("kvserve::linear_amx", {});  // named in torch profiler traces
-  TORCH_CHECK(amx_permitted(), "linear_amx needs AMX-BF16 (linear_amx_available() is false here)");
+  TORCH_CHECK(amx_permitted(), "linear_amx needs AMX-BF16 (amx_available() is false here)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x and packed must be bf16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) % 2 == 0 && packed.size(2) == kTileElems,
-              "packed must be [N/16 (even), K/32, 512] (pack_linear_amx's layout)");
+              "packed must be [N/16 (even), K/32, 512] (pack_for_amx's layout)");
   const int64_t rows = x.size(0), k = x.size(1), k_steps = packed.size(1), n = packed.size(0) * kCols;
   TORCH_CHECK(k == k_steps * kDepth, "x has ", k, " columns, the packed weight ", k_steps * kDepth);
   auto y = at::empty({rows, n}, x.options());
@@ -122,7 +120,6 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
   return y;
 }
 #else
-bool linear_amx_available() { return false; }
 at::Tensor linear_amx(at::Tensor, at::Tensor) { TORCH_CHECK(false, "this build has no AMX kernels"); }
 #endif
 

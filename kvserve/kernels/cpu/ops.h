@@ -18,8 +18,6 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
 // Whether decode_attention may use the AMX kernel where it applies (the default); returns the previous
 // setting. For tests and benchmarks that compare it with the AVX-512 kernel.
 bool set_amx_attention(bool enabled);
-// Whether this build and CPU can run it at all (AMX-BF16, and the OS grants the tile state).
-bool amx_attention_available();
 // Whether decode_attention runs q [T, Hq, D] over k_cache [blocks, block_size, Hkv, D] on the AMX
 // kernel (dtype, head dim and block size allowed, AMX available and enabled). That kernel also takes
 // prefill rows, which the vector kernel is not meant for.
@@ -30,7 +28,6 @@ constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed);
-bool linear_amx_available();
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm.
 constexpr int64_t kTensorsPerLayer = 6;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, at::Tensor final_norm, double eps,
