@@ -6,6 +6,7 @@ Rows:
 - offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py);
 - batch-1 decode: one 128-token prompt, 128 outputs: TPOT, and per-step time outside matrix products
   (the Python/op overhead, from the torch profiler over a few steps);
+- bf16 vs float32 greedy agreement, kvserve's and HF's (benchmarks/dtype_agreement.py);
 - served: `kvserve serve` started here, driven by kvserve's replay client (`kvserve bench serve`):
   100 requests 128/128 all at once; Poisson 2 req/s x 60; max-concurrency 1 x 6;
   the same client against every `--peer NAME=URL` (an OpenAI-compatible server, running already or
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import dtype_agreement
 import httpx
 import torch
 from offline_throughput import random_prompts, run_hf, run_kvserve
@@ -75,25 +77,6 @@ def batch1_decode(dtype: str, prompt_len: int = 128, output_len: int = 128) -> d
         "profiled_step_ms": wall * 1000,
         "matmul_ms_per_step": matmul_us / 1000,
         "overhead_ms_per_step": wall * 1000 - matmul_us / 1000,
-    }
-
-
-def bf16_fp32_agreement(num_prompts: int = 16, output_len: int = 64) -> dict[str, float]:
-    """Greedy bf16 vs fp32 on chat prompts: share of requests identical, and of tokens before divergence."""
-    topics = ["the sea", "a city at night", "photosynthesis", "the moon", "trains", "coffee", "rain", "chess"]
-    conversations = [
-        [{"role": "user", "content": f"Write {n} sentences about {topics[i % len(topics)]}."}]
-        for i, n in enumerate(range(2, 2 + num_prompts))
-    ]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    runs = [[o.token_ids for o in LLM(dtype=d).chat(conversations, params)] for d in ("float32", "bfloat16")]
-    same_prefix = 0
-    for a, b in zip(*runs, strict=True):
-        same_prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-    identical = sum(a == b for a, b in zip(*runs, strict=True))
-    return {
-        "requests_identical": identical / num_prompts,
-        "tokens_before_first_divergence": same_prefix / (num_prompts * output_len),
     }
 
 
@@ -223,7 +206,7 @@ def main() -> None:
         if not args.skip_hf:
             offline.append(run_hf(prompts, 128, args.dtype))
         results["batch1"] = batch1_decode(args.dtype)
-        results["bf16_vs_fp32"] = bf16_fp32_agreement()
+        results["bf16_vs_fp32"] = dtype_agreement.measure(with_hf=not args.skip_hf)
     results["offline"] = offline
 
     served: list[dict[str, Any]] = []
@@ -265,11 +248,7 @@ def print_offline_rows(results: dict[str, Any], dtype: str) -> None:
         f"profiler, of which matmuls {b1['matmul_ms_per_step']:.1f} ms, "
         f"everything else {b1['overhead_ms_per_step']:.1f} ms"
     )
-    agree = results["bf16_vs_fp32"]
-    print(
-        f"\n## bf16 vs fp32 greedy (16 chat prompts x 64 tokens): {agree['requests_identical']:.0%} of requests "
-        f"identical, {agree['tokens_before_first_divergence']:.0%} of tokens before the first divergence"
-    )
+    dtype_agreement.print_table(results["bf16_vs_fp32"])
 
 
 def print_served_rows(results: dict[str, Any], served: list[dict[str, Any]]) -> None:

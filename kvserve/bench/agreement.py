@@ -1,0 +1,40 @@
+"""How closely one engine's greedy tokens follow a reference's (bf16 against float32, say).
+
+Two measures, because they answer different questions:
+- free-running (`free_running`): each engine generates on its own; the share of requests identical and
+  of tokens before each request's first difference. One flipped near-tie changes the context of every
+  later token, so a single rounding difference early in a request counts against all that follow;
+- teacher-forced (`teacher_forced_agreement`): at each position the engine sees the reference's output
+  so far as its context; the share of positions where its greedy token is the reference's. This is the
+  per-token agreement, without that compounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.engine.llm import LLM
+from kvserve.engine.sampling_params import SamplingParams
+
+
+def free_running(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Share of requests identical, and of reference tokens before each request's first difference."""
+    same_prefix = sum(
+        next((i for i, (a, b) in enumerate(zip(r, o, strict=False)) if a != b), min(len(r), len(o)))
+        for r, o in zip(reference, other, strict=True)
+    )
+    identical = sum(list(r) == list(o) for r, o in zip(reference, other, strict=True))
+    return {
+        "requests_identical": identical / len(reference),
+        "tokens_before_first_divergence": same_prefix / sum(len(r) for r in reference),
+    }
+
+
+def teacher_forced_agreement(llm: LLM, prompts: Sequence[list[int]], reference: Sequence[Sequence[int]]) -> float:
+    """Share of positions where `llm`'s greedy token, given the prompt and the reference's output before
+    that position, is the reference's token. Runs through the serving path: one single-token request
+    per (prompt, position)."""
+    forced = [list(p) + list(ref[:i]) for p, ref in zip(prompts, reference, strict=True) for i in range(len(ref))]
+    outputs = llm.generate(forced, SamplingParams(temperature=0, max_tokens=1))
+    expected = [t for ref in reference for t in ref]
+    return sum(o.token_ids[0] == e for o, e in zip(outputs, expected, strict=True)) / len(expected)
