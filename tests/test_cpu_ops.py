@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kvserve.kernels import cpu
 from kvserve.kernels.attention_cpu import cpu_attention
 from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
+from kvserve.model import linear
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import TorchLayerOps, layer_ops_for
 from kvserve.model.linear import AMX_MAX_ROWS, make_linear, pack_for_amx
@@ -269,3 +270,19 @@ def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows) -> 
     weight = torch.randn(576, 576, generator=gen).bfloat16()
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     assert close(make_linear(weight)(x), F.linear(x.float(), weight.float()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("epilogues", [True, False], ids=["oneDNN epilogues", "torch without them"])
+@pytest.mark.parametrize("rows", [1, 3, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 2048])
+def test_make_gated_up_agrees_with_silu_times_up_at_every_batch_size(kernels, monkeypatch, rows, epilogues) -> None:
+    """Up to AMX_MAX_ROWS the product then silu_mul; above it oneDNN's two products with the silu and the
+    multiplication as epilogues, or, in a torch whose oneDNN lacks them, the product then silu_mul (each
+    intermediate rounded to bf16 once, hence two steps of tolerance)."""
+    monkeypatch.setattr(linear, "_onednn_epilogues_work", lambda: epilogues)
+    gen = torch.Generator().manual_seed(8)
+    weight = (torch.randn(2 * 1536, 576, generator=gen) / 24).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = linear.make_gated_up(weight, kernels.silu_mul)(x).float()
+    assert bool(((got - expected).abs() <= 2**-6 * expected.abs() + 2**-6).all())

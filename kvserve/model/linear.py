@@ -44,6 +44,19 @@ def _onednn_packing_works(weight: torch.Tensor) -> bool:
 
 
 @functools.cache
+def _onednn_epilogues_work() -> bool:
+    """Whether this torch's oneDNN linear takes the silu ("swish") and multiply epilogues make_gated_up uses."""
+    try:
+        x = torch.ones(1, 2, dtype=torch.bfloat16)
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(1, 2, dtype=torch.bfloat16), 1)
+        silu = torch.ops.mkldnn._linear_pointwise(x, weight, None, "swish", [], "")  # silu(2) = 1.76
+        out = torch.ops.mkldnn._linear_pointwise.binary(x, silu, weight, None, "mul")  # 2 * silu(2)
+    except (RuntimeError, AttributeError):
+        return False
+    return abs(float(out) - 2 * float(F.silu(torch.tensor(2.0)))) < 0.02
+
+
+@functools.cache
 def gemv_kernels() -> ModuleType | None:
     """The compiled kernels if their bf16 GEMV runs on this CPU (it needs AVX512-BF16), else None.
     Probed once per process: every linear layer and the model ask."""
@@ -63,21 +76,46 @@ def make_linear(weight: torch.Tensor) -> LinearFn:
         return lambda x: F.linear(x, weight)
     # The batch-size hint only tunes the blocking; the packed weight accepts any number of rows.
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    return _with_few_row_kernels(weight, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+
+
+def make_gated_up(weight: torch.Tensor, silu_mul: LinearFn) -> LinearFn:
+    """A function computing silu(x @ gate^T) * (x @ up^T) for weight = [gate; up] ([2I, K]), where
+    `silu_mul` maps the product [T, 2I] to that. Where oneDNN runs, it computes many rows (prefill
+    chunks) as two products whose epilogues apply the silu and the multiplication while each output tile
+    is in cache; a separate silu_mul pass read the [T, 2I] product back from memory. 2,048 rows: 4.22 ->
+    3.42 ms per layer, 2 threads."""
+    if not _onednn_packing_works(weight):
+        return lambda x: silu_mul(F.linear(x, weight))
+    if not _onednn_epilogues_work():
+        gate_up = make_linear(weight)
+        return lambda x: silu_mul(gate_up(x))
+    gate, up = (torch.ops.mkldnn._reorder_linear_weight(half.contiguous(), 1) for half in weight.chunk(2))
+
+    def many_rows(x: torch.Tensor) -> torch.Tensor:
+        silu_gate = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, silu_gate, up, None, "mul")
+
+    return _with_few_row_kernels(weight, many_rows, then=silu_mul)
+
+
+def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, then: LinearFn | None = None) -> LinearFn:
+    """`many_rows` for row counts kvserve's own kernels do not take; up to GEMV_MAX_ROWS the bf16 GEMV,
+    then up to AMX_MAX_ROWS linear_amx where the CPU has AMX; `then` (if given) applied to their product."""
     kernels = gemv_kernels()
     if kernels is None:
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return many_rows
     few_rows = kernels.GEMV_MAX_ROWS
     n, k = weight.shape
     amx = kernels.amx_available() and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
     tiles = pack_for_amx(weight) if amx else None
-    amx_rows = AMX_MAX_ROWS if amx else few_rows  # without tiles nothing lies between GEMV and oneDNN
-    return lambda x: (
-        kernels.gemv_bf16(x, weight)
-        if x.shape[0] <= few_rows
-        else kernels.linear_amx(x.contiguous(), tiles)
-        if x.shape[0] <= amx_rows
-        else torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    )
+    amx_rows = AMX_MAX_ROWS if amx else few_rows  # without tiles nothing lies between GEMV and many_rows
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return kernels.gemv_bf16(x, weight) if x.shape[0] <= few_rows else kernels.linear_amx(x.contiguous(), tiles)
+
+    finish = then or (lambda y: y)
+    return lambda x: finish(product(x)) if x.shape[0] <= amx_rows else many_rows(x)
 
 
 def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import layer_ops_for
-from kvserve.model.linear import LinearFn, gemv_kernels, make_linear
+from kvserve.model.linear import LinearFn, gemv_kernels, make_gated_up, make_linear
 from kvserve.model.weights import ModelWeights
 
 
 class LayerLinears(NamedTuple):
     qkv_proj: LinearFn
     o_proj: LinearFn
-    gate_up_proj: LinearFn
+    gated_up: LinearFn  # silu(x @ gate^T) * (x @ up^T), from gate_up_proj
     down_proj: LinearFn
 
 
@@ -58,8 +58,14 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.weights = weights.to(dtype, device)
+        self.ops = layer_ops_for(device)
         self.linears = [
-            LayerLinears(*(make_linear(getattr(layer, name)) for name in LayerLinears._fields))
+            LayerLinears(
+                qkv_proj=make_linear(layer.qkv_proj),
+                o_proj=make_linear(layer.o_proj),
+                gated_up=make_gated_up(layer.gate_up_proj, self.ops.silu_mul),
+                down_proj=make_linear(layer.down_proj),
+            )
             for layer in self.weights.layers
         ]
         self.lm_head = make_linear(self.weights.lm_head)
@@ -68,7 +74,6 @@ class LlamaModel:
         self.norms = [(layer.attn_norm.float(), layer.mlp_norm.float()) for layer in self.weights.layers]
         self.final_norm = self.weights.final_norm.float()
         self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)
-        self.ops = layer_ops_for(device)
         # The compiled decode step (kernels/cpu/decode_layers.cpp) needs every linear to be the bf16
         # GEMV; it takes each layer's tensors in this order.
         self.decode_kernels = gemv_kernels() if dtype == torch.bfloat16 and device.type == "cpu" else None
@@ -121,7 +126,7 @@ class LlamaModel:
             o = attention(q, k_cache, v_cache, meta, self.scale)
             x = ops.add_rms_norm(h, linear.o_proj(o.reshape(t, self.q_size)), mlp_norm, eps, self.dtype)
             next_norm = layers[index + 1][1][0] if index + 1 < len(layers) else self.final_norm
-            x = ops.add_rms_norm(h, linear.down_proj(ops.silu_mul(linear.gate_up_proj(x))), next_norm, eps, self.dtype)
+            x = ops.add_rms_norm(h, linear.down_proj(linear.gated_up(x)), next_norm, eps, self.dtype)
         return x
 
     @torch.inference_mode()
