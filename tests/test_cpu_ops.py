@@ -273,11 +273,12 @@ def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows) -> 
 
 
 @pytest.mark.parametrize("epilogues", [True, False], ids=["oneDNN epilogues", "torch without them"])
-@pytest.mark.parametrize("rows", [1, 3, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 2048])
+@pytest.mark.parametrize("rows", [1, 3, 17, 100, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 2048])
 def test_make_gated_up_agrees_with_silu_times_up_at_every_batch_size(kernels, monkeypatch, rows, epilogues) -> None:
-    """Up to AMX_MAX_ROWS the product then silu_mul; above it oneDNN's two products with the silu and the
-    multiplication as epilogues, or, in a torch whose oneDNN lacks them, the product then silu_mul (each
-    intermediate rounded to bf16 once, hence two steps of tolerance)."""
+    """The GEMV's product then silu_mul (1-2 rows); linear_amx's gated epilogue over the interleaved
+    weight (to AMX_MAX_ROWS); above that oneDNN's two products with the silu and the multiplication as
+    epilogues; in a torch whose oneDNN lacks them, the product then silu_mul at every row count. Each
+    intermediate is rounded to bf16 once, hence two steps of tolerance."""
     monkeypatch.setattr(linear, "_onednn_epilogues_work", lambda: epilogues)
     gen = torch.Generator().manual_seed(8)
     weight = (torch.randn(2 * 1536, 576, generator=gen) / 24).bfloat16()

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_attention_applies", &amx_attention_applies, "whether decode_attention runs these q/cache on AMX");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
-  m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16)");
+  m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",
+        py::arg("x"), py::arg("packed"), py::arg("gated") = false);
   m.def("decode_layers", &decode_layers, "every decoder layer of a 1-2 token decode step (bf16), final norm applied");
 }

@@ -13,6 +13,11 @@
 // [(k / 2) * 32 + n * 2 + k % 2]: the VNNI layout TDPBF16PS reads. Rows of x are A tiles as they lie
 // (16 rows x 32 bf16, the row stride K). Register blocking: 2 row tiles x 2 column tiles -> 4 float32
 // result tiles, so each loaded tile feeds two products.
+//
+// Gated (the MLP's up projection, `gated` true): the weight is [gate; up] with its rows interleaved in
+// 16s before packing (gate 0-15, up 0-15, gate 16-31, ...: kvserve/model/linear.py), so each 32-column
+// block holds 16 gate columns and their 16 up columns, and the epilogue stores silu(gate) * up from the
+// float32 results: y is [M, N/2], one rounding to bf16, no separate silu_mul pass over a [M, N] product.
 #include "amx.h"
 #include "ops.h"
 
@@ -33,12 +38,12 @@ constexpr int64_t kTileElems = kDepth * kCols;          // bf16 elements in one 
 #define TILE_C10 6
 #define TILE_C11 7
 
-// One 32 x 32 block of y (16 x 32 with one row tile): the rows of x from `a0` on (16 x kRowTiles of
-// them, readable; stride k) times column blocks 2 * pair and 2 * pair + 1 of the packed weight,
-// stored as y's rows m0 .. m0 + valid_rows - 1.
+// One 32 x 32 block of the product (16 x 32 with one row tile): the rows of x from `a0` on (16 x
+// kRowTiles of them, readable; stride k) times column blocks 2 * pair and 2 * pair + 1 of the packed
+// weight, stored as y's rows m0 .. m0 + valid_rows - 1 (y has n columns; gated: n / 2, see above).
 template <int kRowTiles>
 void block_product(const uint16_t* a0, const uint16_t* packed, int64_t k_steps, int64_t k, int64_t m0,
-                   int64_t valid_rows, int64_t pair, int64_t n, uint16_t* y) {
+                   int64_t valid_rows, int64_t pair, int64_t n, bool gated, uint16_t* y) {
   static_assert(kRowTiles == 1 || kRowTiles == 2);
   const uint16_t* a1 = a0 + kRows * k;
   const uint16_t* b0 = packed + 2 * pair * k_steps * kTileElems;
@@ -68,17 +73,25 @@ void block_product(const uint16_t* a0, const uint16_t* packed, int64_t k_steps, 
     _tile_stored(TILE_C10, &c[kRows][0], sizeof(c[0]));
     _tile_stored(TILE_C11, &c[kRows][kCols], sizeof(c[0]));
   }
+  const auto store = [](uint16_t* dst, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+  };
   for (int64_t r = 0; r < valid_rows; ++r) {
-    uint16_t* dst = y + (m0 + r) * n + pair * 2 * kCols;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&c[r][0])));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + kCols),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&c[r][kCols])));
+    const __m512 left = _mm512_load_ps(&c[r][0]), right = _mm512_load_ps(&c[r][kCols]);
+    if (gated) {  // left: 16 gate columns, right: their up columns
+      const __m512 one = _mm512_set1_ps(1.f);
+      const __m512 silu = _mm512_div_ps(left, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), left))));
+      store(y + (m0 + r) * (n / 2) + pair * kCols, _mm512_mul_ps(silu, right));
+    } else {
+      store(y + (m0 + r) * n + pair * 2 * kCols, left);
+      store(y + (m0 + r) * n + pair * 2 * kCols + kCols, right);
+    }
   }
 }
 
 }  // namespace
 
-at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
+at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated) {
   RECORD_FUNCTION("kvserve::linear_amx", {});  // named in torch profiler traces
   TORCH_CHECK(amx_permitted(), "linear_amx needs AMX-BF16 (amx_available() is false here)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x and packed must be bf16");
@@ -87,7 +100,7 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
               "packed must be [N/16 (even), K/32, 512] (pack_for_amx's layout)");
   const int64_t rows = x.size(0), k = x.size(1), k_steps = packed.size(1), n = packed.size(0) * kCols;
   TORCH_CHECK(k == k_steps * kDepth, "x has ", k, " columns, the packed weight ", k_steps * kDepth);
-  auto y = at::empty({rows, n}, x.options());
+  auto y = at::empty({rows, gated ? n / 2 : n}, x.options());
   if (rows == 0) return y;
   const uint16_t* x_data = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -109,18 +122,18 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed) {
     for (int64_t pair = begin; pair < end; ++pair) {
       for (int64_t block = 0; block < full_blocks; ++block) {
         const int64_t m0 = block * 2 * kRows;
-        block_product<2>(x_data + m0 * k, w, k_steps, k, m0, 2 * kRows, pair, n, out);
+        block_product<2>(x_data + m0 * k, w, k_steps, k, m0, 2 * kRows, pair, n, gated, out);
       }
       const int64_t m0 = full_blocks * 2 * kRows;
-      if (tail_tiles == 2) block_product<2>(tail_data, w, k_steps, k, m0, tail_rows, pair, n, out);
-      if (tail_tiles == 1) block_product<1>(tail_data, w, k_steps, k, m0, tail_rows, pair, n, out);
+      if (tail_tiles == 2) block_product<2>(tail_data, w, k_steps, k, m0, tail_rows, pair, n, gated, out);
+      if (tail_tiles == 1) block_product<1>(tail_data, w, k_steps, k, m0, tail_rows, pair, n, gated, out);
     }
     _tile_release();
   });
   return y;
 }
 #else
-at::Tensor linear_amx(at::Tensor, at::Tensor) { TORCH_CHECK(false, "this build has no AMX kernels"); }
+at::Tensor linear_amx(at::Tensor, at::Tensor, bool) { TORCH_CHECK(false, "this build has no AMX kernels"); }
 #endif
 
 }  // namespace kvserve

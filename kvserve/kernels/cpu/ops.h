@@ -27,7 +27,7 @@ bool amx_attention_applies(at::Tensor q, at::Tensor k_cache);
 constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
-at::Tensor linear_amx(at::Tensor x, at::Tensor packed);
+at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm.
 constexpr int64_t kTensorsPerLayer = 6;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, at::Tensor final_norm, double eps,
