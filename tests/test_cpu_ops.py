@@ -159,11 +159,13 @@ AMX_CASES = [
     ([1, 1, 1, 1], [1, 16, 32, 33], 64, 16),
     ([1, 4, 8, 1, 3, 6], [90, 4, 100, 33, 300, 64], 64, 16),
     ([1, 5, 2], [37, 70, 130], 32, 32),
-    # Prefill rows on the AMX kernel (at most AMX_PREFILL_MAX_KEYS keys): whole prompts of 1 and 4 row
-    # chunks' worth and beyond, a chunk continuing a cached prefix, next to decode rows; and a
-    # sequence over the limit, which goes to SDPA in the same call.
+    # Prefill rows on the AMX kernel (at most AMX_PREFILL_MAX_KEYS keys), whose chunks of 8 or more rows
+    # take the softmax across rows: whole prompts of 1 and 4 row chunks' worth and beyond, a chunk
+    # continuing a cached prefix, next to decode rows; and a sequence over the limit, which goes to SDPA
+    # in the same call.
     ([128, 1, 21, 50, 9], [128, 200, 21, 250, 9], 64, 16),
     ([300, 1], [300, 40], 64, 16),
+    ([600, 1], [600, 40], 64, 16),
 ]
 
 
@@ -191,11 +193,13 @@ def test_amx_attention_matches_the_oracle_and_the_vector_kernel(amx, query_lens,
     assert not torch.equal(outs[0], outs[1]), "both runs took the same kernel"
 
 
-def test_amx_attention_rescales_when_later_keys_score_higher(amx) -> None:
+@pytest.mark.parametrize("query_lens", [[1, 2], [40, 100]], ids=["row by row", "across rows"])
+def test_amx_attention_rescales_when_later_keys_score_higher(amx, query_lens) -> None:
     """Scores that climb along the sequence move the running max after the first step, by more than
     the lazy-rescale threshold: the stored output must be rescaled, or the late keys would dominate
-    by a factor of e^(their lead) too much (or overflow)."""
-    q, k, v, meta = random_paged_inputs([1, 2], [300, 200], 9, 3, 64, 16, torch.bfloat16, seed=11)
+    by a factor of e^(their lead) too much (or overflow). Decode-sized chunks take the softmax row by
+    row, prefill chunks across rows."""
+    q, k, v, meta = random_paged_inputs(query_lens, [300, 200], 9, 3, 64, 16, torch.bfloat16, seed=11)
     q = torch.ones_like(q)
     positions = torch.arange(16, dtype=torch.float32).repeat(k.shape[0], 1)
     block_order = torch.zeros(k.shape[0])

@@ -43,6 +43,9 @@ constexpr int64_t kDimsPerChunk = 32;  // bf16 elements in one 64-byte tile row
 constexpr int64_t kStepKeys = 2 * kTile;
 constexpr int64_t kMaxDim = 64;        // four output tiles of 16 float32 columns
 constexpr float kRescaleAbove = 8.f;   // natural-log units: probabilities stay <= e^8 ~ 3e3
+// Chunks with at least this many query rows take the softmax step across rows (softmax_across_rows);
+// fewer rows (a decode step's 3 per KV head) go row by row, where the cost is per row.
+constexpr int64_t kRowsForSoftmaxAcrossRows = 8;
 
 // Tile registers, all 16 rows x 64 bytes. Macros, not constants: GCC's _tile_* intrinsics paste the
 // register number into the instruction text.
@@ -112,6 +115,93 @@ void accumulate_output(const uint16_t* probs, const uint16_t* values, int64_t di
   }
 }
 
+// Element offsets j * kChunkRows, j = 0..15: gathering at them from &buffer[0][r] of a [..][kChunkRows]
+// buffer reads its column r.
+inline __m512i column_offsets() {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(kChunkRows));
+}
+
+// One step's online softmax for all rows of a chunk at once: lane r of each vector is query row r,
+// read from the stored score tiles (scores_t [key][row]) as they lie. Row by row, each of 16 rows paid
+// two gathers and two horizontal reductions per step; across rows the step costs the same whatever
+// the number of rows. Same arithmetic as the row loop: lazy reference max m, probabilities exp(s - m)
+// summed into l in float32 and rounded to bf16 into P [row][key] for the P.V product. Lanes whose
+// last_key is -1 (past the chunk's rows) see no key and keep p = 0. Sets alpha (1 where m stayed);
+// returns whether any row's m moved, so that its output needs rescaling.
+bool softmax_across_rows(float* __restrict scores_t, const int32_t* last_key, int64_t step, float scale, float* m,
+                         float* l, float* alpha, uint16_t* __restrict probs) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i last = _mm512_load_si512(last_key);
+  const __m512 floor = _mm512_set1_ps(-1e30f), scale_v = _mm512_set1_ps(scale);
+  const auto seen = [&](int64_t key) { return _mm512_cmpge_epi32_mask(last, _mm512_set1_epi32(static_cast<int32_t>(key))); };
+  __m512 step_max = floor;
+  for (int64_t k = 0; k < kStepKeys; ++k) {  // unseen keys (also a skipped half's stale scores) -> floor
+    const __m512 s = _mm512_mask_mul_ps(floor, seen(step + k), _mm512_load_ps(scores_t + k * kChunkRows), scale_v);
+    _mm512_store_ps(scores_t + k * kChunkRows, s);
+    step_max = _mm512_max_ps(step_max, s);
+  }
+  __m512 ref = _mm512_load_ps(m), sum = _mm512_load_ps(l), factor = _mm512_set1_ps(1.f);
+  const __mmask16 moved = _mm512_cmp_ps_mask(step_max, _mm512_add_ps(ref, _mm512_set1_ps(kRescaleAbove)), _CMP_GT_OQ);
+  if (moved) {
+    const __m512 new_ref = _mm512_mask_mov_ps(ref, moved, step_max);
+    factor = _mm512_mask_mov_ps(factor, moved, fast_exp16(_mm512_sub_ps(ref, new_ref)));
+    sum = _mm512_mul_ps(sum, factor);
+    ref = new_ref;
+    _mm512_store_ps(m, ref);
+  }
+  _mm512_store_ps(alpha, factor);
+  alignas(64) uint32_t pairs[kStepKeys / 2][kChunkRows];  // [key pair][row]: bf16 (p_2i, p_2i+1) of row r
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t i = 0; i < kStepKeys / 2; ++i) {
+    const int64_t k = 2 * i;
+    const __m512 p0 = _mm512_maskz_mov_ps(seen(step + k), fast_exp16(_mm512_sub_ps(_mm512_load_ps(scores_t + k * kChunkRows), ref)));
+    const __m512 p1 = _mm512_maskz_mov_ps(seen(step + k + 1),
+                                          fast_exp16(_mm512_sub_ps(_mm512_load_ps(scores_t + (k + 1) * kChunkRows), ref)));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    _mm512_store_si512(pairs[i], _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+  }
+  _mm512_store_ps(l, sum);
+  // P's row r is column r of `pairs`.
+  const __m512i column = column_offsets();
+  for (int64_t r = 0; r < kChunkRows; ++r) {
+    _mm512_store_si512(probs + r * kStepKeys, _mm512_i32gather_epi32(column, &pairs[0][r], 4));
+  }
+  return moved != 0;
+}
+
+// The same step row by row, for chunks of few rows: each row's 32 scores are a column of the stored
+// tiles (two gathers), reduced horizontally. Returns whether any row's m moved.
+bool softmax_row_by_row(const float* scores_t, const int32_t* last_key, int64_t rows, int64_t step, float scale,
+                        float* m, float* l, float* alpha, uint16_t* __restrict probs) {
+  const __m512i key_rows = column_offsets();
+  const __m512 scale_v = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-1e30f);
+  bool rescale = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = last_key[r] - step + 1;  // last_key < slen
+    const __mmask16 seen_low = first_lanes(visible), seen_high = first_lanes(visible - kTile);
+    const __m512 low = _mm512_mask_mul_ps(floor, seen_low, _mm512_i32gather_ps(key_rows, scores_t + r, 4), scale_v);
+    const __m512 high =
+        _mm512_mask_mul_ps(floor, seen_high, _mm512_i32gather_ps(key_rows, scores_t + kTile * kChunkRows + r, 4), scale_v);
+    const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
+    alpha[r] = 1.f;
+    if (step_max > m[r] + kRescaleAbove) {
+      alpha[r] = fast_exp(m[r] - step_max);
+      l[r] *= alpha[r];
+      m[r] = step_max;
+      rescale = true;
+    }
+    const __m512 ref = _mm512_set1_ps(m[r]);
+    const __m512 p_low = _mm512_maskz_mov_ps(seen_low, fast_exp16(_mm512_sub_ps(low, ref)));
+    const __m512 p_high = _mm512_maskz_mov_ps(seen_high, fast_exp16(_mm512_sub_ps(high, ref)));
+    l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p_low, p_high));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys), (__m256i)_mm512_cvtneps_pbh(p_low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys + kTile), (__m256i)_mm512_cvtneps_pbh(p_high));
+  }
+  return rescale;
+}
+
 }  // namespace
 
 bool amx_decode_supported(const DecodeProblem& p) {
@@ -173,10 +263,8 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
     alignas(64) uint16_t values[kStepKeys * kMaxDim];         // [key pair][d][2]
     alignas(64) float acc[kChunkRows * kMaxDim];              // [row][d]
     alignas(64) uint32_t query_t[kMaxDim / 2 * kChunkRows];   // [dim pair][row] bf16 pairs
-    float m[kChunkRows], l[kChunkRows], alpha[kChunkRows];
-    int64_t last_key[kChunkRows];
-    const __m512i key_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32(kChunkRows));
+    alignas(64) float m[kChunkRows], l[kChunkRows], alpha[kChunkRows];
+    alignas(64) int32_t last_key[kChunkRows];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / hkv], head = item % hkv;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
@@ -185,13 +273,14 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
       for (int64_t first_row = 0; first_row < head_rows; first_row += kChunkRows) {
         const int64_t rows = std::min(kChunkRows, head_rows - first_row);
         std::fill(std::begin(query_t), std::end(query_t), 0u);
+        std::fill(std::begin(m), std::end(m), -1e30f);  // a finite floor: exp(m_old - m_new) never sees (-inf) - (-inf)
+        std::fill(std::begin(l), std::end(l), 0.f);
+        std::fill(std::begin(last_key), std::end(last_key), -1);  // rows past the chunk see no key
         for (int64_t r = 0; r < rows; ++r) {
           const QueryRow row = query_row(first_row + r, head, group);
           const uint16_t* q_row = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
           for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(&query_t[pair * kChunkRows + r], q_row + 2 * pair, 4);
-          last_key[r] = slen - qlen + row.token;  // causal: the row sees keys 0 .. its own position
-          m[r] = -1e30f;  // a finite floor: exp(m_old - m_new) never sees (-inf) - (-inf)
-          l[r] = 0.f;
+          last_key[r] = static_cast<int32_t>(slen - qlen + row.token);  // causal: keys 0 .. its own position
         }
         _tile_zero(TILE_OUT0);
         _tile_zero(TILE_OUT1);
@@ -217,31 +306,9 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
             }
             _tile_stored(TILE_SCORES, scores_t + half * kTile * kChunkRows, kChunkRows * 4);
           }
-          bool rescale = false;
-          for (int64_t r = 0; r < rows; ++r) {
-            // This row's 32 scores (a column of the stored tiles) and which of them it sees.
-            const int64_t visible = last_key[r] - step + 1;  // last_key < slen
-            const __mmask16 seen_low = first_lanes(visible), seen_high = first_lanes(visible - kTile);
-            const __m512 scale = _mm512_set1_ps(p.scale), floor = _mm512_set1_ps(-1e30f);
-            const __m512 low = _mm512_mask_mul_ps(floor, seen_low, _mm512_i32gather_ps(key_rows, scores_t + r, 4), scale);
-            const __m512 high = _mm512_mask_mul_ps(
-                floor, seen_high, _mm512_i32gather_ps(key_rows, scores_t + kTile * kChunkRows + r, 4), scale);
-            const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
-            alpha[r] = 1.f;
-            if (step_max > m[r] + kRescaleAbove) {
-              alpha[r] = fast_exp(m[r] - step_max);
-              l[r] *= alpha[r];
-              m[r] = step_max;
-              rescale = true;
-            }
-            const __m512 ref = _mm512_set1_ps(m[r]);
-            const __m512 p_low = _mm512_maskz_mov_ps(seen_low, fast_exp16(_mm512_sub_ps(low, ref)));
-            const __m512 p_high = _mm512_maskz_mov_ps(seen_high, fast_exp16(_mm512_sub_ps(high, ref)));
-            l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p_low, p_high));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys), (__m256i)_mm512_cvtneps_pbh(p_low));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys + kTile),
-                                (__m256i)_mm512_cvtneps_pbh(p_high));
-          }
+          const bool rescale = rows >= kRowsForSoftmaxAcrossRows
+                                   ? softmax_across_rows(scores_t, last_key, step, p.scale, m, l, alpha, probs)
+                                   : softmax_row_by_row(scores_t, last_key, rows, step, p.scale, m, l, alpha, probs);
           if (rescale && step > 0) {  // before the first step the output is still zero
             store_output(acc, dim);
             for (int64_t r = 0; r < rows; ++r) {
