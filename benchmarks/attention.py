@@ -40,11 +40,15 @@ def backend_call(name: str, q, k, v, meta, scale: float) -> Callable[[], object]
     attention = get_attention_backend("cpu", "cpu")
 
     def without_amx() -> object:
+        # The batch's routing plan (kernel or SDPA per sequence) depends on AMX; meta caches it, and the
+        # other backends share meta, so it is made afresh on each side of the switch.
         previous = kernels.set_amx_attention(False)
+        meta.plans.pop("cpu", None)
         try:
             return attention(q, k, v, meta, scale)
         finally:
             kernels.set_amx_attention(previous)
+            meta.plans.pop("cpu", None)
 
     return without_amx
 
