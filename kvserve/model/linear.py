@@ -6,7 +6,8 @@ thread, a 3072x576 projection: 0.25 -> 0.175 ms at 1 row, 0.44 -> 0.24 ms at 64 
 LM head 3.7 -> 2.3 ms. At one or two rows (batch-1 decode) kvserve's own bf16 GEMV
 (kernels/cpu/gemv.cpp) is faster still: 3072x576 at one row 93 -> 45 us, two threads. From 3 to
 AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's tile kernel (kernels/cpu/linear_amx.cpp) beats oneDNN.
-Anything else (float32, CUDA, a torch without the op) uses F.linear.
+Anything else (float32, CUDA, a torch without the op) uses F.linear. `make_linear` builds a plain
+projection; `make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels.
 """
 
 from __future__ import annotations
