@@ -85,6 +85,11 @@ constexpr int64_t kLanes = 16;
 
 inline int64_t padded_width(int64_t dim) { return (dim + kLanes - 1) / kLanes * kLanes; }
 
+// Prefetches of the next tile asked for after V's regrouping and before each head's rows (PacedPrefetch);
+// the rest after the tile's last head. Per 30 layers against all of them at once, 100 x 1/190 bf16: 16 ->
+// 24 % faster, 32 -> 23 %, 64 -> 17 %; 1 x 1/1,024: 16 -> 11 %, 32 -> 1 %; float32 caches: 13-15 %.
+constexpr int64_t kPrefetchBatch = 16;
+
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
 // float32 [kTile, width]. The products are fused into the sums (std::fma, one rounding, where the
 // file's -ffp-contract=off would round twice): attention is compared with the float64 oracle within
@@ -157,6 +162,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
     std::vector<const T*> q_rows;
     std::vector<int64_t> last_key, visible;  // per row: last key it may see; keys of this tile it sees
     std::vector<float> probs, alpha;  // per row: [kTile] scores, then probabilities; rescale factor
+    PacedPrefetch<T> prefetch;  // the next tile's K/V rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / items_per_seq], first_head = item % items_per_seq * heads;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
@@ -184,15 +190,17 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
         const int64_t block_keys = std::min(p.block_size, slen - block_start);
         for (int64_t tile = 0; tile < block_keys; tile += kTile) {
           const int64_t kv_start = block_start + tile, nkeys = std::min(kTile, block_keys - tile);
-          prefetch_tile(p, table, kv_start + nkeys, slen, k_cache, v_cache, first_head, heads);
+          prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
           const int64_t tile_at = (block_base + tile) * key_len + first_head * dim;
           regroup_tile(v_cache + tile_at, key_len, nkeys, heads, dim, width, vf.data());
+          prefetch.issue(kPrefetchBatch);
           if (bf16_dot) {
             regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kb.data());
           } else {
             regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kf.data());
           }
           for (int64_t head = 0; head < heads; ++head) {
+            prefetch.issue(kPrefetchBatch);
             const int64_t r0 = head * head_rows, k0 = head * kTile * dim;
             for (int64_t r = r0; r < r0 + head_rows; ++r) {
               visible[r] = std::min(nkeys, last_key[r] - kv_start + 1);
@@ -212,6 +220,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
             accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows,
                             width, &acc[r0 * width]);
           }
+          prefetch.issue(-1);
         }
       }
       for (int64_t r = 0; r < nrows; ++r) {

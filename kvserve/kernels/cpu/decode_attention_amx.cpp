@@ -46,9 +46,9 @@ constexpr float kRescaleAbove = 8.f;   // natural-log units: probabilities stay 
 // Chunks with at least this many query rows take the softmax step across rows (softmax_across_rows);
 // fewer rows (a decode step's 3 per KV head) go row by row, where the cost is per row.
 constexpr int64_t kRowsForSoftmaxAcrossRows = 8;
-// Prefetches asked for at each of six points through a step (PacedPrefetch), the rest after its last
-// product. Decode attention at 100 x 1/190, per 30 layers, against prefetch_tile: batches of 8, 12, 16,
-// 20 and 32 ran 10.9, 14.2, 15.0, 14.0 and 11.3 % faster.
+// Prefetches asked for at each of six points through a decode step (PacedPrefetch, decode_attention.h),
+// the rest after its last product. Decode attention at 100 x 1/190, per 30 layers, against all of a
+// half's prefetches at once: batches of 8, 12, 16, 20 and 32 ran 10.9, 14.2, 15.0, 14.0 and 11.3 % faster.
 constexpr int64_t kPrefetchBatch = 16;
 
 // Tile registers, all 16 rows x 64 bytes. Macros, not constants: GCC's _tile_* intrinsics paste the
@@ -208,40 +208,6 @@ bool softmax_row_by_row(const float* scores_t, const int32_t* last_key, int64_t 
 
 }  // namespace
 
-// The K and V lines of a head's next step (32 keys), asked for a few at a time while the current step
-// computes. A core has ~16 line-fill buffers: the 128 prefetches of a step issued at once (prefetch_tile)
-// held the core until most of them had been sent, so a step's memory reads and its arithmetic ran one
-// after the other.
-class PacedPrefetch {
- public:
-  void plan(const DecodeProblem& p, const int64_t* table, int64_t key, int64_t keys_end, const uint16_t* k_cache,
-            const uint16_t* v_cache, int64_t head) {
-    count_ = next_ = 0;
-    const int64_t key_len = p.hkv * p.dim, row_bytes = p.dim * static_cast<int64_t>(sizeof(uint16_t));
-    for (int64_t first = key; first < std::min(key + kStepKeys, keys_end); first += kTile) {
-      // A 16-key half lies inside one block (block sizes are multiples of 16).
-      const int64_t at = (table[first / p.block_size] * p.block_size + first % p.block_size) * key_len + head * p.dim;
-      for (int64_t j = 0; j < std::min(kTile, keys_end - first); ++j) {
-        const char* k_row = reinterpret_cast<const char*>(k_cache + at + j * key_len);
-        const char* v_row = reinterpret_cast<const char*>(v_cache + at + j * key_len);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          lines_[count_++] = k_row + b;
-          lines_[count_++] = v_row + b;
-        }
-      }
-    }
-  }
-  // Asks for the next `n` lines of the plan (all that are left with n < 0).
-  void issue(int64_t n) {
-    const int64_t end = n < 0 ? count_ : std::min(count_, next_ + n);
-    for (; next_ < end; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
-  }
-
- private:
-  const char* lines_[2 * kStepKeys * kMaxDim * sizeof(uint16_t) / 64];  // K and V, 32 keys, 128 bytes each
-  int64_t count_ = 0, next_ = 0;
-};
-
 bool amx_decode_supported(const DecodeProblem& p) {
   return amx_enabled && (p.dim == 32 || p.dim == kMaxDim) && p.block_size % kTile == 0 && amx_permitted();
 }
@@ -303,7 +269,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
     alignas(64) uint32_t query_t[kMaxDim / 2 * kChunkRows];   // [dim pair][row] bf16 pairs
     alignas(64) float m[kChunkRows], l[kChunkRows], alpha[kChunkRows];
     alignas(64) int32_t last_key[kChunkRows];
-    PacedPrefetch prefetch;
+    PacedPrefetch<uint16_t> prefetch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / hkv], head = item % hkv;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
@@ -311,9 +277,11 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
       const int64_t head_rows = qlen * group;  // rows in query_row's order
       for (int64_t first_row = 0; first_row < head_rows; first_row += kChunkRows) {
         const int64_t rows = std::min(kChunkRows, head_rows - first_row);
-        // Decode rows pace the next step's prefetches through the step (PacedPrefetch). Prefill chunks, whose
-        // steps reuse keys earlier chunks brought in, ask per half (prefetch_tile): pacing cost them 13-18 %.
-        const bool paced = rows < kRowsForSoftmaxAcrossRows;
+        // Prefetching: an item's first chunk reads its keys from memory, so while each step computes it asks
+        // for the next step's K/V (PacedPrefetch). Later chunks of the item (prefill) find them in cache and
+        // ask for nothing: prefetching there cost them 8-14 %. The item's last step asks for the first step
+        // of the next item.
+        const bool first_chunk = first_row == 0, last_chunk = first_row + kChunkRows >= head_rows;
         std::fill(std::begin(query_t), std::end(query_t), 0u);
         std::fill(std::begin(m), std::end(m), -1e30f);  // a finite floor: exp(m_old - m_new) never sees (-inf) - (-inf)
         std::fill(std::begin(l), std::end(l), 0.f);
@@ -330,12 +298,12 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
         _tile_zero(TILE_OUT3);
         const int64_t keys_end = chunk_keys_end(slen, qlen, group, first_row, rows);
         for (int64_t step = 0; step < keys_end; step += kStepKeys) {
-          if (paced && step + kStepKeys < keys_end) {
-            prefetch.plan(p, table, step + kStepKeys, keys_end, k_cache, v_cache, head);
-          } else if (paced && item + 1 < end) {  // a chunk of < 16 rows ends its item: the next item's first step
+          if (first_chunk && step + kStepKeys < keys_end) {
+            prefetch.plan(p, table, step + kStepKeys, kStepKeys, keys_end, k_cache, v_cache, head, 1);
+          } else if (last_chunk && step + kStepKeys >= keys_end && item + 1 < end) {
             const int64_t next_seq = p.seq_ids[(item + 1) / hkv];
-            prefetch.plan(p, p.tables + next_seq * p.table_width, 0, p.seq_lens[next_seq], k_cache, v_cache,
-                          (item + 1) % hkv);
+            prefetch.plan(p, p.tables + next_seq * p.table_width, 0, kStepKeys, p.seq_lens[next_seq], k_cache,
+                          v_cache, (item + 1) % hkv, 1);
           }
           // Two 16-key halves, each inside one block; a half no row sees is not read at all.
           for (int64_t half = 0; half < 2; ++half) {
@@ -345,7 +313,6 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
               std::memset(values + half * kTile * dim, 0, kTile * dim * sizeof(uint16_t));
               continue;
             }
-            if (!paced) prefetch_tile(p, table, key + kStepKeys, keys_end, k_cache, v_cache, head, 1);
             const int64_t at = (table[key / p.block_size] * p.block_size + key % p.block_size) * key_len + head * dim;
             regroup_value_pairs(v_cache + at, key_len, nkeys, dim, values + half * kTile * dim);
             prefetch.issue(kPrefetchBatch);
