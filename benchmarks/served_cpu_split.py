@@ -16,13 +16,15 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from cpu_performance import start_kvserve
+
+from kvserve.bench.generators import LengthDist, random_workload
+from kvserve.bench.replay import ReplayConfig, payload_for, replay
 
 REQUESTS, PROMPT_LEN, OUTPUT_LEN = 100, 128, 128
 
@@ -40,32 +42,33 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
     return out
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], stream: bool) -> int:
-    """Send one request; return the completion tokens the server reports."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": OUTPUT_LEN, "stream": stream}
-    body |= {"ignore_eos": True, "temperature": 0}
-    if not stream:
-        response = await client.post(url + "/v1/completions", json=body)
-        response.raise_for_status()
-        return response.json()["usage"]["completion_tokens"]
-    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    tokens = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():  # parsed as the replay client does
-            if line.startswith("data:") and line != "data: [DONE]":
-                tokens = (json.loads(line[5:]).get("usage") or {}).get("completion_tokens", tokens)
-    return tokens
+def run_once(url: str, model: str, stream: bool, seed: int) -> tuple[float, int]:
+    """One run: streamed through the replay client that cpu_performance.py drives the servers with, or
+    the same request bodies not streamed. Returns wall seconds and completion tokens."""
+    # Fresh prompts per run (a different seed): nothing comes from the prefix cache.
+    prompt_len, output_len = LengthDist.parse(str(PROMPT_LEN)), LengthDist.parse(str(OUTPUT_LEN))
+    workload = random_workload(REQUESTS, float("inf"), prompt_len, output_len, seed=seed)
+    cfg = ReplayConfig(base_url=url, model=model, quiet=True, seed=seed)
+    if stream:
+        start = time.perf_counter()
+        records, _ = replay(workload, cfg)
+        if failed := [f"{r.id}: {r.error}" for r in records if not r.ok]:
+            raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0]}")
+        return time.perf_counter() - start, sum(len(r.token_times) for r in records)
+    bodies = [payload_for(r, cfg) | {"stream": False, "stream_options": None} for r in workload]
+    start = time.perf_counter()
+    tokens = asyncio.run(post_all(cfg.url, bodies))
+    return time.perf_counter() - start, tokens
 
 
-async def run_once(url: str, model: str, stream: bool, seed: int) -> tuple[float, int]:
-    rng = random.Random(seed)  # fresh prompts per run: nothing comes from the prefix cache
-    prompts = [[rng.randrange(1000, 32000) for _ in range(PROMPT_LEN)] for _ in range(REQUESTS)]
+async def post_all(url: str, bodies: list[dict[str, Any]]) -> int:
+    """POST all bodies at once; return the completion tokens the server reports."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*(one_request(client, url, model, p, stream) for p in prompts))
-        return time.perf_counter() - start, sum(tokens)
+        responses = await asyncio.gather(*(client.post(url, json=body) for body in bodies))
+    for response in responses:
+        response.raise_for_status()
+    return sum(response.json()["usage"]["completion_tokens"] for response in responses)
 
 
 def main() -> None:
@@ -77,11 +80,11 @@ def main() -> None:
     rows = []
     try:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        asyncio.run(run_once(url, model, True, seed=0))  # warm-up
+        run_once(url, model, True, seed=0)  # warm-up
         for repeat in range(args.repeats):
             for stream in (True, False):
                 server_before, client_before = thread_cpu_s(proc.pid), time.process_time()
-                wall, tokens = asyncio.run(run_once(url, model, stream, seed=1 + 2 * repeat + stream))
+                wall, tokens = run_once(url, model, stream, seed=1 + 2 * repeat + stream)
                 client = time.process_time() - client_before
                 server = {t: s - server_before.get(t, 0.0) for t, s in thread_cpu_s(proc.pid).items()}
                 others = sorted((s for t, s in server.items() if t != proc.pid), reverse=True)
