@@ -266,14 +266,22 @@ def test_linear_amx_refuses_what_it_cannot_compute(kernels) -> None:
         kernels.linear_amx(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
-def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows) -> None:
+def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows, dtype) -> None:
     """bf16 linears switch from the GEMV to the AMX kernel (where the CPU has it) above GEMV_MAX_ROWS
-    rows and to oneDNN above AMX_MAX_ROWS: every side agrees."""
+    rows and to oneDNN (natively, or widened to float32 where oneDNN has no bf16 kernel) above
+    AMX_MAX_ROWS; float32 ones run oneDNN's packed product at every row count: every side agrees."""
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(576, 576, generator=gen).bfloat16()
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    assert close(make_linear(weight)(x), F.linear(x.float(), weight.float()), torch.bfloat16)
+    weight = torch.randn(576, 576, generator=gen).to(dtype)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    out = make_linear(weight)(x)
+    assert out.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert close(out, F.linear(x.float(), weight.float()), dtype)
+    else:  # any summation order stays within K units of float32 rounding of the sum of |terms|
+        bound = 576 * 2**-24 * F.linear(x.abs().double(), weight.abs().double())
+        assert bool(((out.double() - F.linear(x.double(), weight.double())).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("epilogues", [True, False], ids=["oneDNN epilogues", "torch without them"])
@@ -283,7 +291,7 @@ def test_make_gated_up_agrees_with_silu_times_up_at_every_batch_size(kernels, mo
     weight (to AMX_MAX_ROWS); above that oneDNN's two products with the silu and the multiplication as
     epilogues; in a torch whose oneDNN lacks them, the product then silu_mul at every row count. Each
     intermediate is rounded to bf16 once, hence two steps of tolerance."""
-    monkeypatch.setattr(linear, "_onednn_epilogues_work", lambda: epilogues)
+    monkeypatch.setattr(linear, "_onednn_epilogues_work", lambda dtype: epilogues)
     gen = torch.Generator().manual_seed(8)
     weight = (torch.randn(2 * 1536, 576, generator=gen) / 24).bfloat16()
     x = torch.randn(rows, 576, generator=gen).bfloat16()

@@ -26,6 +26,7 @@ from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Request, Sequence
 from kvserve.engine.stop_checker import append_token
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
+from kvserve.model import linear
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
 from kvserve.spec.proposers import Proposal
@@ -57,8 +58,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    # On the CPU bf16 matrix products only pay with native support (AVX512-BF16 / AMX).
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if bf16_pays_on_cpu() else torch.float32
+
+
+def bf16_pays_on_cpu() -> bool:
+    """Whether bf16 runs at least as fast as float32 here. With native support (AVX512-BF16 / AMX) it is
+    faster everywhere. Without it, on AVX2 CPUs, kvserve's GEMV decodes batch 1 reading half the bytes
+    and oneDNN multiplies batches over the weights widened to float32, at float32's speed. Measured on a
+    2-core Zen 3 (`python benchmarks/cpu_performance.py`): batch-1 TPOT 25 vs 60 ms, offline 64 x 128/128
+    129 vs 134 tok/s (same within this VM's noise), and bf16 halves the KV cache."""
+    if torch.backends.mkldnn.is_available() and _cpu_has_bf16():
+        return True
+    return linear.gemv_kernels() is not None and linear.onednn_packing_works(torch.float32)
 
 
 def _cpu_has_bf16() -> bool:

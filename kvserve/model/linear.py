@@ -1,13 +1,18 @@
 """y = x @ W^T with W kept in the layout the device's fastest kernel wants.
 
-On CPUs with oneDNN, bf16 weights pre-packed into oneDNN's blocked layout run 1.5-2x faster than
-F.linear (which re-reads a plain layout every call): measured on this 2-core Xeon with AMX, one
-thread, a 3072x576 projection: 0.25 -> 0.175 ms at 1 row, 0.44 -> 0.24 ms at 64 rows; the 49152-row
-LM head 3.7 -> 2.3 ms. At one or two rows (batch-1 decode) kvserve's own bf16 GEMV
-(kernels/cpu/gemv.cpp) is faster still: 3072x576 at one row 93 -> 45 us, two threads. From 3 to
-AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's tile kernel (kernels/cpu/linear_amx.cpp) beats oneDNN.
-Anything else (float32, CUDA, a torch without the op) uses F.linear. `make_linear` builds a plain
-projection; `make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels.
+On CPUs with oneDNN, weights pre-packed into oneDNN's blocked layout run faster than F.linear (which
+re-reads a plain layout every call). bf16, measured on the 2-core Xeon with AMX, one thread, a
+3072x576 projection: 0.25 -> 0.175 ms at 1 row, 0.44 -> 0.24 ms at 64 rows; the 49152-row LM head
+3.7 -> 2.3 ms. float32, on a 2-core AMD Zen 3 (AVX2, two threads): 3072x576 at 100 rows 3.87 -> 2.77 ms,
+the LM head at 100 rows 117 -> 49 ms. Where oneDNN has no bf16 kernel (CPUs without AVX-512: its
+packing probe fails), bf16 weights are packed widened to float32 and the product runs in float32 on
+bf16 inputs: the same arithmetic as a bf16 product with float32 accumulation (bf16 values widen
+exactly), at the float32 kernel's speed; torch's own bf16 F.linear there was 3-7x slower than float32.
+At one or two rows (batch-1 decode) kvserve's own bf16 GEMV (kernels/cpu/gemv.cpp) is faster still:
+3072x576 at one row 93 -> 45 us on the Xeon. From 3 to AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's
+tile kernel (kernels/cpu/linear_amx.cpp) beats oneDNN. Anything else (CUDA, a torch without the op)
+uses F.linear. `make_linear` builds a plain projection; `make_gated_up` the MLP's up projection,
+silu(gate) * up, by the same choice of kernels.
 """
 
 from __future__ import annotations
@@ -32,24 +37,38 @@ AMX_MAX_ROWS = 512
 AMX_ALIGN = 32
 
 
-def _onednn_packing_works(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+@functools.cache
+def onednn_packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN packs and multiplies `dtype` weights on this CPU."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
-        probe = torch.ones(2, 3, dtype=torch.bfloat16)
+        probe = torch.ones(2, 3, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(probe, 1)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3, dtype=torch.bfloat16), packed, None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3, dtype=dtype), packed, None, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
     return out.shape == (1, 2) and bool((out == 3).all())
 
 
+def _onednn_compute_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype oneDNN multiplies `weight` in: its own, float32 for bf16 weights where oneDNN has no
+    bf16 kernel, or None where oneDNN cannot take it at all (CUDA, other dtypes, no oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    for dtype in (weight.dtype, torch.float32):
+        if onednn_packing_works(dtype):
+            return dtype
+    return None
+
+
 @functools.cache
-def _onednn_epilogues_work() -> bool:
-    """Whether this torch's oneDNN linear takes the silu ("swish") and multiply epilogues make_gated_up uses."""
+def _onednn_epilogues_work(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch's oneDNN linear takes the silu ("swish") and multiply epilogues make_gated_up
+    uses, in `dtype`."""
     try:
-        x = torch.ones(1, 2, dtype=torch.bfloat16)
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(1, 2, dtype=torch.bfloat16), 1)
+        x = torch.ones(1, 2, dtype=dtype)
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(1, 2, dtype=dtype), 1)
         silu = torch.ops.mkldnn._linear_pointwise(x, weight, None, "swish", [], "")  # silu(2) = 1.76
         out = torch.ops.mkldnn._linear_pointwise.binary(x, silu, weight, None, "mul")  # 2 * silu(2)
     except (RuntimeError, AttributeError):
@@ -59,8 +78,8 @@ def _onednn_epilogues_work() -> bool:
 
 @functools.cache
 def gemv_kernels() -> ModuleType | None:
-    """The compiled kernels if their bf16 GEMV runs on this CPU (it needs AVX512-BF16), else None.
-    Probed once per process: every linear layer and the model ask."""
+    """The compiled kernels if their bf16 GEMV runs on this CPU (it needs AVX512-BF16, or AVX2 and
+    FMA), else None. Probed once per process: every linear layer and the model ask."""
     kernels = cpu.load()
     if kernels is None:
         return None
@@ -71,13 +90,33 @@ def gemv_kernels() -> ModuleType | None:
     return kernels if bool((out == 32).all()) else None
 
 
+# oneDNN's batch-size hint when packing: it only tunes the blocking (the packed weight takes any number
+# of rows). bf16 keeps 1 (measured on the Xeon). float32 on Zen 3, 3072x576 at 4 / 64 / 128 / 512 rows,
+# hint 1 vs 64: 0.50 / 2.5 / 5.4 / 18.7 vs 0.29 / 2.15 / 5.15 / 17.8 ms, and the same at one row.
+PACKING_ROWS_HINT = {torch.bfloat16: 1, torch.float32: 64}
+
+
+def _onednn_pack(weight: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(compute), PACKING_ROWS_HINT[compute])
+
+
+def _in_compute_dtype(linear: LinearFn, compute: torch.dtype, out: torch.dtype) -> LinearFn:
+    """`linear` (a oneDNN product in `compute`) taking and returning tensors of the model dtype `out`."""
+    if compute == out:
+        return linear
+    return lambda x: linear(x.to(compute)).to(out)
+
+
 def make_linear(weight: torch.Tensor) -> LinearFn:
     """A function computing F.linear(x, weight) (no bias), as fast as this device allows."""
-    if not _onednn_packing_works(weight):
+    compute = _onednn_compute_dtype(weight)
+    if compute is None:
         return lambda x: F.linear(x, weight)
-    # The batch-size hint only tunes the blocking; the packed weight accepts any number of rows.
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    return _with_few_row_kernels(weight, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    packed = _onednn_pack(weight, compute)
+    product = _in_compute_dtype(
+        lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), compute, weight.dtype
+    )
+    return _with_few_row_kernels(weight, product)
 
 
 def make_gated_up(weight: torch.Tensor, silu_mul: LinearFn) -> LinearFn:
@@ -87,18 +126,19 @@ def make_gated_up(weight: torch.Tensor, silu_mul: LinearFn) -> LinearFn:
     from memory. linear_amx does it in its epilogue (per layer, weights streamed: 100 rows 0.357 -> 0.308 ms,
     256 rows 0.738 -> 0.520); oneDNN, for more rows (prefill chunks), as two products with a silu and a
     multiply epilogue (2,048 rows: 4.22 -> 3.42 ms). The GEMV (1-2 rows) stays a product and a silu_mul."""
-    if not _onednn_packing_works(weight):
+    compute = _onednn_compute_dtype(weight)
+    if compute is None:
         return lambda x: silu_mul(F.linear(x, weight))
-    if not _onednn_epilogues_work():
+    if not _onednn_epilogues_work(compute):
         gate_up = make_linear(weight)
         return lambda x: silu_mul(gate_up(x))
-    gate, up = (torch.ops.mkldnn._reorder_linear_weight(half.contiguous(), 1) for half in weight.chunk(2))
+    gate, up = (_onednn_pack(half.contiguous(), compute) for half in weight.chunk(2))
 
     def many_rows(x: torch.Tensor) -> torch.Tensor:
         silu_gate = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, silu_gate, up, None, "mul")
 
-    return _with_few_row_kernels(weight, many_rows, silu_mul)
+    return _with_few_row_kernels(weight, _in_compute_dtype(many_rows, compute, weight.dtype), silu_mul)
 
 
 def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, silu_mul: LinearFn | None = None) -> LinearFn:
@@ -106,7 +146,7 @@ def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, silu_mul: L
     then up to AMX_MAX_ROWS linear_amx where the CPU has AMX. With `silu_mul` (weight = [gate; up]) the
     result is silu(gate) * up: the GEMV's product goes through silu_mul, linear_amx gates in its epilogue."""
     kernels = gemv_kernels()
-    if kernels is None:
+    if kernels is None or weight.dtype != torch.bfloat16:
         return many_rows
     few_rows = kernels.GEMV_MAX_ROWS
     n, k = weight.shape
