@@ -63,7 +63,7 @@ def _onednn_compute_dtype(weight: torch.Tensor) -> torch.dtype | None:
 
 
 @functools.cache
-def _onednn_epilogues_work(dtype: torch.dtype = torch.bfloat16) -> bool:
+def _onednn_epilogues_work(dtype: torch.dtype) -> bool:
     """Whether this torch's oneDNN linear takes the silu ("swish") and multiply epilogues make_gated_up
     uses, in `dtype`."""
     try:

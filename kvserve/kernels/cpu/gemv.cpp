@@ -39,7 +39,7 @@ inline Acc step_product(Acc acc, const XElem* x, __m512i w) {
 inline __m512i load_step(const uint16_t* w) { return _mm512_loadu_si512(w); }
 #else
 using Acc = __m256;
-using XElem = float;  // x widened by widen_x, in the lane order widen_half produces
+using XElem = float;  // x widened by widen_x, in the lane order of widen_low / widen_high
 // The float32 values of the bf16 in the low (high) 64 bits of each 128-bit half of w: elements
 // 0-3 and 8-11 (4-7 and 12-15) of the 16.
 inline __m256 widen_low(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
@@ -123,11 +123,10 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight) {
   x = x.contiguous();
   auto y = at::empty({m, n}, x.options());
 #ifdef __AVX512BF16__
-  const at::Tensor& x_operand = x;
-  const XElem* xs = raw<c10::BFloat16>(x_operand);
+  const XElem* xs = raw<c10::BFloat16>(x);
 #else
-  const at::Tensor x_operand = widen_x(x);
-  const XElem* xs = x_operand.data_ptr<float>();
+  const at::Tensor x_widened = widen_x(x);  // alive until the kernel has returned
+  const XElem* xs = x_widened.data_ptr<float>();
 #endif
   const uint16_t* ws = raw<c10::BFloat16>(weight);
   auto* ys = raw<c10::BFloat16>(y);
