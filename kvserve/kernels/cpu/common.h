@@ -90,44 +90,107 @@ class FlushDenormals {
   unsigned int saved_;
 };
 
-// exp(x) by Cephes' range reduction and degree-6 polynomial (relative error ~2e-7), branch-free so
-// that loops over it vectorize. Inputs are clamped to [-87.3, 88.3]: below, the result is ~1e-38
-// (callers treat it as 0; scores of masked keys never reach here), above, float32 overflows anyway.
-inline float fast_exp(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);  // not std::min/fmin: those block vectorizing
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+// Lane-wise float operations on one float (scalar), eight (AVX2) or sixteen (AVX-512) at a time, so
+// that a vector routine is written once for every width: fast_exp and softmax_tile (decode_attention.h).
+// +, - and * are GCC's own vector operators (one instruction each; -ffp-contract=off keeps them unfused).
+// The scalar forms use ternaries, not std::min/fmin, which block GCC from vectorizing loops over them.
+template <typename V>
+inline V splat(float v);
+template <>
+inline float splat<float>(float v) {
+  return v;
 }
+inline float lanes_load(const float* p, float) { return *p; }
+inline void lanes_store(float* p, float v) { *p = v; }
+inline float lanes_min(float a, float b) { return a < b ? a : b; }
+inline float lanes_max(float a, float b) { return a > b ? a : b; }
+inline float lanes_floor(float x) { return std::floor(x); }
+inline float lanes_pow2(float n) { return std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23); }  // n integral
+inline float lanes_first(int64_t n, float v, float otherwise) { return n > 0 ? v : otherwise; }  // lane 0 if n > 0
+inline float reduce_max(float v) { return v; }
+inline float reduce_add(float v) { return v; }
 
-#ifdef __AVX512F__
-// fast_exp on sixteen lanes, the same operations in the same order (so the same results). GCC leaves
-// fast_exp scalar in some loops (the softmax of a tile was), where this is ~10x fewer instructions.
-inline __m512 fast_exp16(__m512 x) {
-  const auto mul = [](__m512 a, __m512 b) { return _mm512_mul_ps(a, b); };
-  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
-  const auto c = [](float v) { return _mm512_set1_ps(v); };
-  x = _mm512_min_ps(_mm512_max_ps(x, c(-87.3f)), c(88.3f));
-  const __m512 n = _mm512_roundscale_ps(add(mul(x, c(1.44269504088896341f)), c(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = add(_mm512_sub_ps(x, mul(n, c(0.693359375f))), mul(n, c(2.12194440e-4f)));
-  __m512 p = c(1.9875691500e-4f);
-  p = add(mul(p, r), c(1.3981999507e-3f));
-  p = add(mul(p, r), c(8.3334519073e-3f));
-  p = add(mul(p, r), c(4.1665795894e-2f));
-  p = add(mul(p, r), c(1.6666665459e-1f));
-  p = add(mul(p, r), c(5.0000001201e-1f));
-  const __m512 y = add(add(mul(mul(p, r), r), r), c(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return mul(y, _mm512_castsi512_ps(bits));
+#ifdef __AVX2__
+template <>
+inline __m256 splat<__m256>(float v) {
+  return _mm256_set1_ps(v);
+}
+inline __m256 lanes_load(const float* p, __m256) { return _mm256_loadu_ps(p); }
+inline void lanes_store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline __m256 lanes_min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
+inline __m256 lanes_max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+inline __m256 lanes_floor(__m256 x) { return _mm256_floor_ps(x); }
+inline __m256 lanes_pow2(__m256 n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+// v in the lanes below n (n clamped to 0..8), `otherwise` in the rest.
+inline __m256 lanes_first(int64_t n, __m256 v, __m256 otherwise) {
+  const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_blendv_ps(otherwise, v, _mm256_castsi256_ps(below));
+}
+inline float reduce_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float reduce_add(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
+
+#ifdef __AVX512F__
+template <>
+inline __m512 splat<__m512>(float v) {
+  return _mm512_set1_ps(v);
+}
+inline __m512 lanes_load(const float* p, __m512) { return _mm512_loadu_ps(p); }
+inline void lanes_store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline __m512 lanes_min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
+inline __m512 lanes_max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+inline __m512 lanes_floor(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline __m512 lanes_pow2(__m512 n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// The lanes below n set (n clamped to 0..16).
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u; }
+inline __m512 lanes_first(int64_t n, __m512 v, __m512 otherwise) {
+  return _mm512_mask_mov_ps(otherwise, first_lanes(n), v);
+}
+inline float reduce_max(__m512 v) { return _mm512_reduce_max_ps(v); }
+inline float reduce_add(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+// The widest lanes this build has: what the vector routines use.
+#if defined(__AVX512F__)
+using WideLanes = __m512;
+#elif defined(__AVX2__)
+using WideLanes = __m256;
+#else
+using WideLanes = float;
+#endif
+
+// exp(x) by Cephes' range reduction and degree-6 polynomial (relative error ~2e-7), branch-free, on
+// every lane; the same operations in the same order at every width, so the same results. Inputs are
+// clamped to [-87.3, 88.3]: below, the result is ~1e-38 (callers treat it as 0; scores of masked keys
+// never reach here), above, float32 overflows anyway. GCC leaves the scalar form scalar in some loops
+// (the softmax of a tile was), where the vector forms are ~10x fewer instructions.
+template <typename V>
+inline V fast_exp(V x) {
+  const auto c = [](float v) { return splat<V>(v); };
+  x = lanes_min(lanes_max(x, c(-87.3f)), c(88.3f));
+  const V n = lanes_floor(x * c(1.44269504088896341f) + c(0.5f));
+  const V r = x - n * c(0.693359375f) + n * c(2.12194440e-4f);
+  V p = c(1.9875691500e-4f);
+  p = p * r + c(1.3981999507e-3f);
+  p = p * r + c(8.3334519073e-3f);
+  p = p * r + c(4.1665795894e-2f);
+  p = p * r + c(1.6666665459e-1f);
+  p = p * r + c(5.0000001201e-1f);
+  const V y = p * r * r + r + c(1.0f);
+  return y * lanes_pow2(n);
+}
 
 }  // namespace kvserve

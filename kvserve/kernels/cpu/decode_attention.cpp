@@ -16,26 +16,50 @@ namespace kvserve {
 // seq_ids: which sequences to process. out: [>= T, Hq, D] contiguous; only their rows are written.
 // bf16 caches go to the AMX kernel (decode_attention_amx.cpp) where the CPU has it and the shapes fit.
 
-// a . b over n floats. GCC vectorizes a plain reduction loop but finishes it with sixteen dependent
-// scalar adds from the stack; with AVX-512 the sum ends in a shuffle tree instead (3x faster here).
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-#ifdef __AVX512F__
-  if (n % 16 == 0) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
-    return _mm512_reduce_add_ps(sum);
+#ifdef __AVX2__
+// Lane j of the result is the sum of the 8 lanes of v[j]: 6 horizontal adds, 2 lane swaps and an add.
+inline __m256 sum_lanes_of_each(const __m256 (&v)[8]) {
+  // per 128-bit half: the half-sums of v[0..3] (from `low`) and of v[4..7] (from `high`), in order
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+#endif
+
+// scores[j] = q . k_j for the first nkeys keys of a tile of float32 keys `dim` apart. With AVX2, eight
+// keys at a time, their sums reduced together: a separate horizontal sum per key (GCC finishes a
+// vectorized reduction with dependent scalar adds) cost as much as its products.
+inline void float_tile_scores(const float* __restrict q, const float* __restrict k, int64_t nkeys, int64_t dim,
+                              float* __restrict scores) {
+#if defined(__AVX2__) && defined(__FMA__)
+  static_assert(kTile % 8 == 0, "a tile is whole groups of eight keys");
+  if (dim % 8 == 0) {
+    // All eight keys of a group are read even past nkeys: the tile buffer holds kTile keys, and
+    // softmax_tile ignores the scores past `visible`.
+    for (int64_t j0 = 0; j0 < nkeys; j0 += 8) {
+      __m256 acc[8];
+      for (int64_t j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < dim; i += 8) {
+        const __m256 qi = _mm256_loadu_ps(q + i);
+        for (int64_t j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + (j0 + j) * dim + i), acc[j]);
+      }
+      _mm256_storeu_ps(scores + j0, sum_lanes_of_each(acc));
+    }
+    return;
   }
 #endif
-  float sum = 0.f;
+  for (int64_t j = 0; j < nkeys; ++j) {
+    float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+    for (int64_t i = 0; i < dim; ++i) sum += q[i] * k[j * dim + i];
+    scores[j] = sum;
+  }
 }
 
 #ifdef __AVX512BF16__
 // Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree of 45 shuffles
 // and adds for all sixteen, where sixteen separate horizontal sums cost ~130.
-inline __m512 sum_lanes_of_each(const __m512 (&v)[kTile]) {
+inline __m512 sum_lanes_of_each(const __m512 (&v)[16]) {
   __m512 pairs[8], quads[4], halves[2];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
     pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -213,7 +237,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
               }
 #endif
               if (!bf16_dot) {
-                for (int64_t j = 0; j < visible[r]; ++j) scores[j] = dot(&qf[r * dim], &kf[k0 + j * dim], dim);
+                float_tile_scores(&qf[r * dim], &kf[k0], visible[r], dim, scores);
               }
               alpha[r] = softmax_tile(scores, visible[r], p.scale, m[r], l[r]);
             }

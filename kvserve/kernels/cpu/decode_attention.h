@@ -34,40 +34,31 @@ inline void store_normalized(T* __restrict dst, const float* __restrict acc, flo
   for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<T>(acc[i] * inv);
 }
 
-// The lanes below n set (n clamped to 0..16): which of a tile's keys a row sees.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u; }
-
 // One row's online-softmax step for a tile of `visible` keys: turns the raw scores q.k into
 // p_j = exp(scale * q.k_j - m_new), 0 past `visible`, where m_new is the running max including this
 // tile; adds their sum to l after rescaling it, and returns alpha = exp(m_old - m_new), the factor
-// the row's accumulator must be rescaled by.
+// the row's accumulator must be rescaled by. In the widest lanes the build has (one AVX-512 register
+// per tile, two AVX2 ones).
 inline float softmax_tile(float* __restrict scores, int64_t visible, float scale, float& m, float& l) {
-#ifdef __AVX512F__
-  static_assert(kTile == 16, "one AVX-512 register of scores per tile");
-  const __mmask16 seen = first_lanes(visible);
-  // Scores past `visible` are not defined: they become -1e30 for the max and 0 after the exp.
-  const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), seen, _mm512_loadu_ps(scores), _mm512_set1_ps(scale));
-  const float tile_max = _mm512_reduce_max_ps(s);
+  using V = WideLanes;
+  constexpr int64_t lanes = sizeof(V) / sizeof(float), parts = kTile / lanes;
+  static_assert(kTile % lanes == 0, "a tile is whole registers");
+  const V floor = splat<V>(-1e30f);
+  V s[parts], max_so_far = floor;
+  for (int64_t i = 0; i < parts; ++i) {  // scores past `visible` are not defined: -1e30 for the max
+    s[i] = lanes_first(visible - i * lanes, lanes_load(scores + i * lanes, V{}) * splat<V>(scale), floor);
+    max_so_far = lanes_max(max_so_far, s[i]);
+  }
+  const float tile_max = reduce_max(max_so_far);
   const float m_new = m > tile_max ? m : tile_max;
   const float alpha = fast_exp(m - m_new);
-  const __m512 probs = _mm512_maskz_mov_ps(seen, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-  _mm512_storeu_ps(scores, probs);
-  l = l * alpha + _mm512_reduce_add_ps(probs);
-#else
-  float tile_max = -1e30f;
-  for (int64_t j = 0; j < kTile; ++j) {
-    scores[j] = j < visible ? scores[j] * scale : -1e30f;  // scores past `visible` are not defined
-    tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+  V sum = splat<V>(0.f);
+  for (int64_t i = 0; i < parts; ++i) {  // and 0 after the exp
+    const V p = lanes_first(visible - i * lanes, fast_exp(s[i] - splat<V>(m_new)), splat<V>(0.f));
+    lanes_store(scores + i * lanes, p);
+    sum = sum + p;
   }
-  const float m_new = m > tile_max ? m : tile_max;
-  const float alpha = fast_exp(m - m_new);
-  float tile_sum = 0.f;
-  for (int64_t j = 0; j < kTile; ++j) {
-    scores[j] = j < visible ? fast_exp(scores[j] - m_new) : 0.f;
-    tile_sum += scores[j];
-  }
-  l = l * alpha + tile_sum;
-#endif
+  l = l * alpha + reduce_add(sum);
   m = m_new;
   return alpha;
 }

@@ -150,7 +150,7 @@ bool softmax_across_rows(float* __restrict scores_t, const int32_t* last_key, in
   const __mmask16 moved = _mm512_cmp_ps_mask(step_max, _mm512_add_ps(ref, _mm512_set1_ps(kRescaleAbove)), _CMP_GT_OQ);
   if (moved) {
     const __m512 new_ref = _mm512_mask_mov_ps(ref, moved, step_max);
-    factor = _mm512_mask_mov_ps(factor, moved, fast_exp16(_mm512_sub_ps(ref, new_ref)));
+    factor = _mm512_mask_mov_ps(factor, moved, fast_exp(_mm512_sub_ps(ref, new_ref)));
     sum = _mm512_mul_ps(sum, factor);
     ref = new_ref;
     _mm512_store_ps(m, ref);
@@ -160,9 +160,9 @@ bool softmax_across_rows(float* __restrict scores_t, const int32_t* last_key, in
   const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int64_t i = 0; i < kStepKeys / 2; ++i) {
     const int64_t k = 2 * i;
-    const __m512 p0 = _mm512_maskz_mov_ps(seen(step + k), fast_exp16(_mm512_sub_ps(_mm512_load_ps(scores_t + k * kChunkRows), ref)));
+    const __m512 p0 = _mm512_maskz_mov_ps(seen(step + k), fast_exp(_mm512_sub_ps(_mm512_load_ps(scores_t + k * kChunkRows), ref)));
     const __m512 p1 = _mm512_maskz_mov_ps(seen(step + k + 1),
-                                          fast_exp16(_mm512_sub_ps(_mm512_load_ps(scores_t + (k + 1) * kChunkRows), ref)));
+                                          fast_exp(_mm512_sub_ps(_mm512_load_ps(scores_t + (k + 1) * kChunkRows), ref)));
     sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     _mm512_store_si512(pairs[i], _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
   }
@@ -197,8 +197,8 @@ bool softmax_row_by_row(const float* scores_t, const int32_t* last_key, int64_t 
       rescale = true;
     }
     const __m512 ref = _mm512_set1_ps(m[r]);
-    const __m512 p_low = _mm512_maskz_mov_ps(seen_low, fast_exp16(_mm512_sub_ps(low, ref)));
-    const __m512 p_high = _mm512_maskz_mov_ps(seen_high, fast_exp16(_mm512_sub_ps(high, ref)));
+    const __m512 p_low = _mm512_maskz_mov_ps(seen_low, fast_exp(_mm512_sub_ps(low, ref)));
+    const __m512 p_high = _mm512_maskz_mov_ps(seen_high, fast_exp(_mm512_sub_ps(high, ref)));
     l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p_low, p_high));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys), (__m256i)_mm512_cvtneps_pbh(p_low));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + r * kStepKeys + kTile), (__m256i)_mm512_cvtneps_pbh(p_high));
