@@ -102,6 +102,7 @@ inline float splat<float>(float v) {
 }
 inline float lanes_load(const float* p, float) { return *p; }
 inline void lanes_store(float* p, float v) { *p = v; }
+inline float lanes_fma(float a, float b, float c) { return std::fma(a, b, c); }  // a * b + c, rounded once
 inline float lanes_min(float a, float b) { return a < b ? a : b; }
 inline float lanes_max(float a, float b) { return a > b ? a : b; }
 inline float lanes_floor(float x) { return std::floor(x); }
@@ -110,13 +111,14 @@ inline float lanes_first(int64_t n, float v, float otherwise) { return n > 0 ? v
 inline float reduce_max(float v) { return v; }
 inline float reduce_add(float v) { return v; }
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 template <>
 inline __m256 splat<__m256>(float v) {
   return _mm256_set1_ps(v);
 }
 inline __m256 lanes_load(const float* p, __m256) { return _mm256_loadu_ps(p); }
 inline void lanes_store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline __m256 lanes_fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 lanes_min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
 inline __m256 lanes_max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
 inline __m256 lanes_floor(__m256 x) { return _mm256_floor_ps(x); }
@@ -148,6 +150,7 @@ inline __m512 splat<__m512>(float v) {
 }
 inline __m512 lanes_load(const float* p, __m512) { return _mm512_loadu_ps(p); }
 inline void lanes_store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline __m512 lanes_fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 inline __m512 lanes_min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
 inline __m512 lanes_max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
 inline __m512 lanes_floor(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
@@ -166,7 +169,7 @@ inline float reduce_add(__m512 v) { return _mm512_reduce_add_ps(v); }
 // The widest lanes this build has: what the vector routines use.
 #if defined(__AVX512F__)
 using WideLanes = __m512;
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
 using WideLanes = __m256;
 #else
 using WideLanes = float;

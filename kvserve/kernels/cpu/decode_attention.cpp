@@ -114,30 +114,44 @@ inline int64_t padded_width(int64_t dim) { return (dim + kLanes - 1) / kLanes * 
 // 24 % faster, 32 -> 23 %, 64 -> 17 %; 1 x 1/1,024: 16 -> 11 %, 32 -> 1 %; float32 caches: 13-15 %.
 constexpr int64_t kPrefetchBatch = 16;
 
+// row_acc[:Parts * lanes] = row_acc * alpha + sum_j p[j] v[j][:Parts * lanes] over `visible` keys
+// (V rows `width` floats apart), the slice held in Parts registers across the keys.
+template <int64_t Parts>
+inline void accumulate_slice(const float* __restrict p, float alpha, int64_t visible, const float* __restrict v,
+                             int64_t width, float* __restrict row_acc) {
+  using V = WideLanes;
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  V a[Parts];
+  for (int64_t i = 0; i < Parts; ++i) a[i] = lanes_load(row_acc + i * lanes, V{}) * splat<V>(alpha);
+  for (int64_t j = 0; j < visible; ++j) {
+    const V pj = splat<V>(p[j]);
+    for (int64_t i = 0; i < Parts; ++i) a[i] = lanes_fma(pj, lanes_load(v + j * width + i * lanes, V{}), a[i]);
+  }
+  for (int64_t i = 0; i < Parts; ++i) lanes_store(row_acc + i * lanes, a[i]);
+}
+
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
-// float32 [kTile, width]. The products are fused into the sums (std::fma, one rounding, where the
-// file's -ffp-contract=off would round twice): attention is compared with the float64 oracle within
-// a tolerance, not with a torch op bit for bit, and the fused form was 3-10 % faster per call. Each
-// kLanes-wide slice of a row's acc stays in a register across the tile's keys, and the rows' slices
-// are independent chains issued back to back: computed row by row, each key waited for the previous
-// key's add and the exp before it (measured 1.5x slower).
+// float32 [kTile, width]. The products are fused into the sums (one rounding, where the file's
+// -ffp-contract=off would round twice): attention is compared with the float64 oracle within a
+// tolerance, not with a torch op bit for bit, and the fused form was 3-10 % faster per call. A row is
+// taken kRowBlock floats at a time, held in registers across the tile's keys: that many floats are
+// independent chains of multiply-adds (8 AVX2 registers), so a key's products need not wait for the
+// previous key's; with one 16-float slice per row at a time, two AVX2 chains each waited on the last.
+constexpr int64_t kRowBlock = 64;
 inline void accumulate_tile(const float* __restrict probs, const float* __restrict alpha, const int64_t* visible,
                             const float* __restrict v, int64_t nrows, int64_t width, float* __restrict acc) {
-  for (int64_t slice = 0; slice < width; slice += kLanes) {
-    for (int64_t r = 0; r < nrows; ++r) {
-      if (visible[r] <= 0) continue;
-      const float* p = probs + r * kTile;
-      float* row_acc = acc + r * width + slice;
-      float a[kLanes];
-#pragma omp simd
-      for (int64_t i = 0; i < kLanes; ++i) a[i] = row_acc[i] * alpha[r];
-      for (int64_t j = 0; j < visible[r]; ++j) {
-        const float pj = p[j];
-#pragma omp simd
-        for (int64_t i = 0; i < kLanes; ++i) a[i] = std::fma(pj, v[j * width + slice + i], a[i]);
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < kLanes; ++i) row_acc[i] = a[i];
+  constexpr int64_t lanes = sizeof(WideLanes) / sizeof(float);
+  static_assert(kRowBlock % kLanes == 0 && kLanes % lanes == 0, "blocks and slices are whole registers");
+  for (int64_t r = 0; r < nrows; ++r) {
+    if (visible[r] <= 0) continue;
+    const float* p = probs + r * kTile;
+    float* row_acc = acc + r * width;
+    int64_t slice = 0;
+    for (; slice + kRowBlock <= width; slice += kRowBlock) {
+      accumulate_slice<kRowBlock / lanes>(p, alpha[r], visible[r], v + slice, width, row_acc + slice);
+    }
+    for (; slice < width; slice += kLanes) {
+      accumulate_slice<kLanes / lanes>(p, alpha[r], visible[r], v + slice, width, row_acc + slice);
     }
   }
 }
