@@ -41,10 +41,30 @@ def test_compiled_decode_gives_the_python_loops_tokens(llm_bf16, prompts) -> Non
     assert all(len(ids) == 12 for ids in compiled)
 
 
-def test_compiled_decode_is_not_used_above_gemv_rows(llm_bf16) -> None:
-    """Three sequences decoding together are three rows: the Python loop (oneDNN linears) runs."""
-    _, ran = generate(llm_bf16, [*PROMPTS, "Once upon a time"], compiled=True)
-    assert not ran
+BATCH = [*PROMPTS, "Once upon a time", "The three primary colors are", "import numpy as np"]
+
+
+def test_batched_decode_takes_the_compiled_step_where_linear_amx_runs(llm_bf16) -> None:
+    """Five sequences decoding together are five rows: past the GEMV, so the compiled step runs only
+    where every projection has AMX tiles, and then gives the Python loop's tokens."""
+    tiled = llm_bf16.engine.model.decode_layer_tiles is not None
+    assert tiled == cpu.load().amx_available()
+    try:
+        compiled, ran = generate(llm_bf16, BATCH, compiled=True)
+        python, ran_without = generate(llm_bf16, BATCH, compiled=False)
+    finally:
+        llm_bf16.engine.runner.compiled_decode = True
+    assert ran == tiled and not ran_without
+    assert compiled == python
+
+
+def test_a_step_with_a_prefill_chunk_runs_the_python_loop(llm_bf16) -> None:
+    """A prompt longer than a decode row's query goes to the attention the Python loop picks for it."""
+    long_prompt = " ".join(["word"] * 40)
+    llm_bf16.engine.runner.compiled_decode = True
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm_bf16.generate([long_prompt], SamplingParams(temperature=0, max_tokens=1))
+    assert not any(e.key == "kvserve::decode_layers" for e in prof.key_averages())
 
 
 def test_float32_models_never_take_the_bf16_step(llm_fp32) -> None:

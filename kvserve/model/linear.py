@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -141,27 +142,39 @@ def make_gated_up(weight: torch.Tensor, silu_mul: LinearFn) -> LinearFn:
     return _with_few_row_kernels(weight, _in_compute_dtype(many_rows, compute, weight.dtype), silu_mul)
 
 
+@dataclass(frozen=True)
+class KernelLinear:
+    """A bf16 linear on kvserve's own kernels where they take the rows: up to GEMV_MAX_ROWS the GEMV,
+    then up to AMX_MAX_ROWS linear_amx where the CPU has AMX (`tiles` set), `many_rows` beyond. With
+    `silu_mul` (weight = [gate; up]) the result is silu(gate) * up: the GEMV's product goes through
+    silu_mul, linear_amx gates in its epilogue (`tiles` then hold the halves interleaved). The compiled
+    decode step (kernels/cpu/decode_layers.cpp) makes the same choice from `weight` and `tiles`."""
+
+    kernels: ModuleType
+    weight: torch.Tensor
+    tiles: torch.Tensor | None
+    many_rows: LinearFn
+    silu_mul: LinearFn | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= self.kernels.GEMV_MAX_ROWS:
+            y = self.kernels.gemv_bf16(x, self.weight)
+            return y if self.silu_mul is None else self.silu_mul(y)
+        if self.tiles is not None and rows <= AMX_MAX_ROWS:
+            return self.kernels.linear_amx(x.contiguous(), self.tiles, self.silu_mul is not None)
+        return self.many_rows(x)
+
+
 def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, silu_mul: LinearFn | None = None) -> LinearFn:
-    """`many_rows` for row counts kvserve's own kernels do not take; up to GEMV_MAX_ROWS the bf16 GEMV,
-    then up to AMX_MAX_ROWS linear_amx where the CPU has AMX. With `silu_mul` (weight = [gate; up]) the
-    result is silu(gate) * up: the GEMV's product goes through silu_mul, linear_amx gates in its epilogue."""
+    """`many_rows`, wrapped in a KernelLinear where kvserve's kernels run here."""
     kernels = gemv_kernels()
     if kernels is None or weight.dtype != torch.bfloat16:
         return many_rows
-    few_rows = kernels.GEMV_MAX_ROWS
     n, k = weight.shape
     amx = kernels.amx_available() and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
-    gated = silu_mul is not None
-    tiles = pack_for_amx(_interleave_halves(weight) if gated else weight) if amx else None
-    amx_rows = AMX_MAX_ROWS if amx else few_rows  # without tiles nothing lies between GEMV and many_rows
-    gemv = (lambda x: silu_mul(kernels.gemv_bf16(x, weight))) if gated else (lambda x: kernels.gemv_bf16(x, weight))
-    return lambda x: (
-        gemv(x)
-        if x.shape[0] <= few_rows
-        else kernels.linear_amx(x.contiguous(), tiles, gated)
-        if x.shape[0] <= amx_rows
-        else many_rows(x)
-    )
+    tiles = pack_for_amx(_interleave_halves(weight) if silu_mul is not None else weight) if amx else None
+    return KernelLinear(kernels, weight, tiles, many_rows, silu_mul)
 
 
 def _interleave_halves(weight: torch.Tensor) -> torch.Tensor:

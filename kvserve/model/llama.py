@@ -14,10 +14,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import layer_ops_for
-from kvserve.model.linear import LinearFn, gemv_kernels, make_gated_up, make_linear
+from kvserve.model.linear import AMX_MAX_ROWS, KernelLinear, LinearFn, gemv_kernels, make_gated_up, make_linear
 from kvserve.model.weights import ModelWeights
 
 
@@ -74,13 +75,20 @@ class LlamaModel:
         self.norms = [(layer.attn_norm.float(), layer.mlp_norm.float()) for layer in self.weights.layers]
         self.final_norm = self.weights.final_norm.float()
         self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)
-        # The compiled decode step (kernels/cpu/decode_layers.cpp) needs every linear to be the bf16
-        # GEMV; it takes each layer's tensors in this order.
+        # The compiled decode step (kernels/cpu/decode_layers.cpp) needs every linear to be a bf16
+        # KernelLinear; it takes each layer's tensors in this order, and their AMX tiles where every
+        # projection has them (then it takes up to AMX_MAX_ROWS rows, else the GEMV's few).
         self.decode_kernels = gemv_kernels() if dtype == torch.bfloat16 and device.type == "cpu" else None
         self.decode_layer_tensors = [
             (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, *norms)
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)
         ]
+        projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
+        all_tiled = all(isinstance(p, KernelLinear) and p.tiles is not None for layer in projections for p in layer)
+        self.decode_layer_tiles = [[p.tiles for p in layer] for layer in projections] if all_tiled else None
+        self.compiled_decode_max_rows = (
+            0 if self.decode_kernels is None else AMX_MAX_ROWS if all_tiled else self.decode_kernels.GEMV_MAX_ROWS
+        )
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.q_size = config.num_heads * config.head_dim
 
@@ -98,7 +106,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden]. `num_layers` < all runs a truncated (self-draft) model.
         `compiled_decode`: `attention` is the CPU decode kernel's backend, so a step of at most
-        GEMV_MAX_ROWS tokens (every sequence a decode row) may run as one compiled call."""
+        compiled_decode_max_rows tokens where every sequence is a decode row may run as one compiled call."""
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         layers = list(zip(self.linears, self.norms, strict=True))[:num_layers]
         t = input_ids.shape[0]
@@ -106,9 +114,15 @@ class LlamaModel:
         # it for the next block: each layer's two residual adds are fused into the following norm.
         h = F.embedding(input_ids, self.weights.embed_tokens).float()
         kernels = self.decode_kernels
-        if compiled_decode and kernels is not None and t <= kernels.GEMV_MAX_ROWS:
+        if (
+            compiled_decode
+            and t <= self.compiled_decode_max_rows
+            and max(meta.query_lens_host) <= DECODE_MAX_QUERY_LEN  # every row on the decode kernel
+        ):
+            tiles = [] if self.decode_layer_tiles is None else self.decode_layer_tiles[: len(layers)]
             return kernels.decode_layers(
                 h, [tensor for group in self.decode_layer_tensors[: len(layers)] for tensor in group],
+                [tensor for group in tiles for tensor in group],
                 self.final_norm, eps, positions, self.rope_cos, self.rope_sin, kv_cache, slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), self.scale,
                 cfg.num_heads, cfg.num_kv_heads,

@@ -16,5 +16,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
   m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
-  m.def("decode_layers", &decode_layers, "every decoder layer of a 1-2 token decode step (bf16), final norm applied");
+  m.def("decode_layers", &decode_layers, "every decoder layer of a decode step (bf16; GEMV or AMX tile products), final norm applied");
 }

@@ -28,9 +28,10 @@ constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
-// decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm.
-constexpr int64_t kTensorsPerLayer = 6;
-at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, at::Tensor final_norm, double eps,
+// decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
+// `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved).
+constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
+at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles, at::Tensor final_norm, double eps,
                          at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
                          at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids,
                          double scale, int64_t hq, int64_t hkv);
