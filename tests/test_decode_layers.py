@@ -70,3 +70,23 @@ def test_a_step_with_a_prefill_chunk_runs_the_python_loop(llm_bf16) -> None:
 def test_float32_models_never_take_the_bf16_step(llm_fp32) -> None:
     assert llm_fp32.engine.model.dtype == torch.float32
     assert llm_fp32.engine.model.decode_kernels is None
+
+
+def test_speculative_verify_steps_take_the_compiled_step_and_give_the_same_tokens() -> None:
+    """A verify step's rows (a few tokens per sequence) are decode rows of the compiled step; with AMX tiles
+    every step after the prompts' prefill runs it, with the tokens of the Python loop."""
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative={"method": "ngram", "num_tokens": 4})
+    if llm.engine.model.decode_layer_tiles is None:
+        pytest.skip("verify steps of several rows take the compiled step only with AMX tiles")
+    repetitive = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "the cat sat on the mat, the cat sat on the mat,"]
+    steps_before = llm.engine.stats()["steps"]
+    llm.engine.runner.compiled_decode = True
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled = [o.token_ids for o in llm.generate(repetitive, params)]
+    steps = llm.engine.stats()["steps"] - steps_before
+    calls = sum(e.count for e in prof.key_averages() if e.key == "kvserve::decode_layers")
+    assert calls == steps - 1  # all but the one prefill step, verify steps included
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0  # the steps did verify drafts
+    llm.engine.runner.compiled_decode = False
+    assert [o.token_ids for o in llm.generate(repetitive, params)] == compiled
