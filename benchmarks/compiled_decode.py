@@ -11,7 +11,6 @@ a change in this VM's speed hits both. Prints the median step time of each and t
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.results import save_results
 
 
 def main() -> None:
@@ -55,9 +55,8 @@ def main() -> None:
         ratio = median[False] / median[True]
         rows.append({"batch": batch, "compiled_ms": median[True], "python_ms": median[False], "ratio": ratio})
         print(f"{batch:>5} {median[True]:>9.2f} {median[False]:>8.2f} {ratio:>16.3f}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+    save_results({"env": env, "rows": rows}, args.out)
     print(f"wrote {args.out}")
 
 

@@ -13,13 +13,13 @@ machine's speed hits both. Prints median ms per pass and oneDNN / linear_amx; wr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from kvserve.bench.results import save_results
 from kvserve.kernels import cpu
 from kvserve.model.linear import pack_for_amx
 
@@ -70,9 +70,8 @@ def main() -> None:
             rows_out.append({"rows": rows, "cache": cache, "median_ms": median, "onednn_over_amx": ratio})
             line = f"{rows:>5} {cache:>5} {median['onednn']:>8.1f} {median['linear_amx']:>11.1f} {ratio:>6.2f}"
             print(line, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    args.out.write_text(json.dumps({"env": env, "rows": rows_out}, indent=2))
+    save_results({"env": env, "rows": rows_out}, args.out)
     print(f"wrote {args.out}")
 
 
