@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
-import httpx
 import pytest
+from aiohttp import web
 
 from kvserve.bench.metrics import summarize
-from kvserve.bench.replay import ReplayConfig, payload_for, replay
+from kvserve.bench.replay import ReplayConfig, payload_for, replay, replay_async
 from kvserve.bench.sse import DONE, StreamCounter, parse_sse_line
 from kvserve.bench.workload import WorkloadRequest
 
@@ -30,37 +31,45 @@ def _chunk(style: str, chat: bool, texts: list[str], done_tokens: int, finish: s
     return body
 
 
-def fake_server(style: str, calls: list[dict], tokens_per_chunk: int = 1, fail: set[str] = frozenset()):
+def fake_server(
+    style: str, calls: list[dict], tokens_per_chunk: int = 1, fail: set[str] = frozenset()
+) -> web.Application:
     """An OpenAI-style streaming endpoint. Styles: "vllm" (cumulative usage on every chunk and a
     final usage-only chunk), "llamacpp" (usage only on a last chunk that still has a choice with
     empty text), "plain" (no usage at all), "logprobs" (per-chunk logprobs, no usage)."""
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         calls.append(body)
-        chat = request.url.path.endswith("/chat/completions")
+        chat = request.path.endswith("/chat/completions")
         if body.get("max_tokens") in fail or str(body.get("prompt")) in fail:
-            return httpx.Response(503, json={"error": {"message": "overloaded"}})
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
 
-        async def stream():
-            n = body["max_tokens"]
-            for start in range(0, n, tokens_per_chunk):
-                await asyncio.sleep(STEP_S)
-                texts = [f"t{i} " for i in range(start, min(n, start + tokens_per_chunk))]
-                done = start + len(texts)
-                finish = "length" if done == n and style != "llamacpp" else None
-                yield f"data: {json.dumps(_chunk(style, chat, texts, done, finish))}\n\n".encode()
-            usage = {"prompt_tokens": 4, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": 2}}
-            if style == "vllm":
-                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-            if style == "llamacpp":
-                last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage}
-                yield f"data: {json.dumps(last)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
+        async def send(event: dict | str) -> None:
+            await resp.write(f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode())
 
-        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+        n = body["max_tokens"]
+        for start in range(0, n, tokens_per_chunk):
+            await asyncio.sleep(STEP_S)
+            texts = [f"t{i} " for i in range(start, min(n, start + tokens_per_chunk))]
+            done = start + len(texts)
+            finish = "length" if done == n and style != "llamacpp" else None
+            await send(_chunk(style, chat, texts, done, finish))
+        usage = {"prompt_tokens": 4, "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": 2}}
+        if style == "vllm":
+            await send({"choices": [], "usage": usage})
+        if style == "llamacpp":
+            await send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage})
+        await send(DONE)
+        await resp.write_eof()
+        return resp
 
-    return httpx.MockTransport(handler)
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/chat/completions", handler)
+    return app
 
 
 BOOK = [
@@ -71,10 +80,23 @@ BOOK = [
 
 
 def run(requests, style="vllm", endpoint="completions", **kw):
+    """Replay `requests` against a fake server on a free local port, in the replay's own event loop."""
     calls: list[dict] = []
-    transport = fake_server(style, calls, kw.pop("tokens_per_chunk", 1), kw.pop("fail", frozenset()))
-    cfg = ReplayConfig("http://fake", endpoint=endpoint, quiet=True, **kw)
-    records, meta = replay(requests, cfg, transport)
+    app = fake_server(style, calls, kw.pop("tokens_per_chunk", 1), kw.pop("fail", frozenset()))
+
+    async def serve_and_replay():
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = runner.addresses[0][1]
+            cfg = ReplayConfig(f"http://127.0.0.1:{port}", endpoint=endpoint, quiet=True, **kw)
+            return await replay_async(requests, cfg)
+        finally:
+            await runner.cleanup()
+
+    records, meta = asyncio.run(serve_and_replay())
     return records, meta, calls
 
 
@@ -169,3 +191,13 @@ def test_payloads() -> None:
     assert chat.url == "http://x/v1/chat/completions"
     with pytest.raises(ValueError, match="text prompt"):
         payload_for(WorkloadRequest("d", 0, 1, input_ids=[1, 2]), chat)
+
+
+def test_a_server_that_is_not_there_fails_each_request_with_its_reason() -> None:
+    with socket.socket() as s:  # a port nothing listens on once the socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    records, _ = replay(BOOK, ReplayConfig(f"http://127.0.0.1:{port}", quiet=True))
+    assert [r.ok for r in records] == [False, False, False]
+    assert all(r.error.startswith("ClientConnectorError") for r in records)
+    assert summarize(records)["failed"] == 3
