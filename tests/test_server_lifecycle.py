@@ -6,7 +6,10 @@ and dead."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import os
+import platform
 import signal
 import socket
 import subprocess
@@ -190,6 +193,33 @@ def test_cli_serve_with_api_key_drains_on_sigterm() -> None:
         assert chunks[-1].choices[0].finish_reason == "length"  # the in-flight request finished
         assert len(text + "".join(c.choices[0].text for c in chunks)) > 0
         assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _signal_thread(pid: int, tid: int, sig: int) -> None:
+    """tgkill(2): deliver `sig` to one thread of `pid` (os.kill lets the kernel pick the thread)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_tgkill = 234  # x86-64
+    assert libc.syscall(sys_tgkill, pid, tid, sig) == 0, os.strerror(ctypes.get_errno())
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or sys.platform != "linux", reason="tgkill's number is x86-64 Linux's"
+)
+def test_an_idle_server_stops_on_sigterm_whichever_thread_receives_it() -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = ["serve", "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv], cwd=ROOT, start_new_session=True)
+    try:
+        _wait_until(lambda: _healthy(proc, base), 180, "kvserve serve to become healthy")
+        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        assert others, "the server runs an HTTP thread beside the engine's"
+        _signal_thread(proc.pid, max(others), signal.SIGTERM)  # the newest thread: not the main one
+        assert proc.wait(timeout=20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
