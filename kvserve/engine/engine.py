@@ -17,6 +17,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.host_memory import keep_freed_memory
 from kvserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.prefix_cache import CacheKey
 from kvserve.engine.runner import KVCache, ModelRunner, spans_of
@@ -101,6 +102,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations then reuse their pages: host_memory.py
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model)
         self.model_name = loaded.name

@@ -1,0 +1,46 @@
+"""Keep freed host memory in the process instead of handing it back to the kernel after every step.
+
+glibc's malloc gives a block above its mmap threshold (128 KiB at first, then the size of the largest
+mmap'd block freed so far) fresh pages from mmap() and unmaps them on free; it also returns the top of
+the heap once more than the trim threshold of it is free. A prefill step's activations are tens of MB a
+layer, so on a fresh engine they kept arriving as new pages: ~95,000 minor page faults per 2,048-token
+step, 516-596 ms a step against 404-442 ms once the thresholds had drifted up (100 x 128-token prompts,
+bf16, 2 cores). Served, it fell on the first run a fresh `kvserve serve` took. With both thresholds
+fixed: 407-437 ms from the first step, and no faults.
+
+The price is that the process keeps its peak heap, as a server that sizes its memory up front expects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+# mallopt() parameters, from glibc's <malloc.h>.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# Blocks below this come from the heap and are reused; 32 MiB is the most glibc accepts on 64-bit
+# (HEAP_MAX_SIZE / 2). A 2,048-row prefill's largest activation is 2,048 x 3,072 x 2 B = 12.6 MB.
+MMAP_THRESHOLD_BYTES = 32 * 2**20
+TRIM_THRESHOLD_BYTES = 2**30  # free heap top kept before any is returned
+# Set by the user, these win: glibc reads them at start-up and we leave its settings alone.
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def keep_freed_memory() -> bool:
+    """Fix glibc's mmap and trim thresholds for this process; False where nothing was changed (not
+    glibc, or the user set them)."""
+    if sys.platform != "linux" or any(name in os.environ for name in USER_SETTINGS):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # musl and others: no glibc to tune
+        return False
+    done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    if not done:
+        logger.warning("mallopt refused the mmap/trim thresholds; host memory is returned after every step")
+    return done
