@@ -16,16 +16,21 @@ and peak RSS, with ratios to kvserve; writes JSON.
 
     python benchmarks/cpu_performance.py [--dtype bfloat16] [--skip-hf] [--skip-served]
         [--peer vllm=http://127.0.0.1:8001 --peer llamacpp=http://127.0.0.1:8002]
-        [--peer-launch vllm="COMMAND that starts it" ...]
+        [--peer-launch vllm="COMMAND that starts it" ...] [--served-only] [--repeat N]
+
+With --repeat N each engine's served rows run N times (fresh prompts each time), and a second table
+gives each row's median tok/s and median ratio to kvserve (ratios taken within one repeat).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -126,7 +131,7 @@ def start_kvserve(dtype: str, threads: int | None) -> tuple[subprocess.Popen, st
     return proc, url
 
 
-def peer_runs(name: str, url: str, model: str | None, launch: str | None) -> list[dict[str, Any]]:
+def peer_runs(name: str, url: str, model: str | None, launch: str | None, repeats: int) -> list[dict[str, Any]]:
     """The served rows against a peer; with `launch` (a shell line) the peer is started just before
     and stopped just after, so no two servers share the cores while either is measured."""
     proc = None
@@ -136,7 +141,7 @@ def peer_runs(name: str, url: str, model: str | None, launch: str | None) -> lis
         wait_until_ready(proc, url, "/v1/models", name, 600)
     try:
         model = model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        return served_runs(name, url, model)
+        return served_runs(name, url, model, repeats)
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -155,11 +160,14 @@ def memory_gb_s() -> float:
     return 3 * x.numel() * 2 / (time.perf_counter() - start) / 1e9
 
 
-def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
-    machine = memory_gb_s()
+def served_runs(name: str, url: str, model: str, repeats: int) -> list[dict[str, Any]]:
+    """SERVED_RUNS in order, `repeats` times over: one row each, tagged with its repeat."""
     rows = []
-    for run, (count, rate, concurrency, seed) in SERVED_RUNS.items():
-        # Fresh prompts per run (a different seed): no run is served from a warm prefix cache.
+    for repeat, (run, (count, rate, concurrency, run_seed)) in itertools.product(range(repeats), SERVED_RUNS.items()):
+        if run == next(iter(SERVED_RUNS)):
+            machine = memory_gb_s()
+        # Fresh prompts per run and repeat (a different seed): none is served from a warm prefix cache.
+        seed = run_seed + 1000 * repeat
         workload = random_workload(count, rate, LengthDist.parse("128"), LengthDist.parse("128"), seed=seed)
         cfg = ReplayConfig(base_url=url, model=model, max_concurrency=concurrency, warmup=2, quiet=True, seed=seed)
         client_cpu_start = time.process_time()
@@ -173,6 +181,7 @@ def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
             {
                 "engine": name,
                 "run": run,
+                "repeat": repeat,
                 "output_tok_s": s["output_throughput"],
                 "ttft_p50_ms": s["median_ttft_ms"],
                 "ttft_p99_ms": s["p99_ttft_ms"],
@@ -188,8 +197,8 @@ def served_runs(name: str, url: str, model: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(value: Any) -> str:
-    return "–" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+def _fmt(value: Any, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 def main() -> None:
@@ -205,6 +214,11 @@ def main() -> None:
         "--peer-launch", action="append", default=[],
         help="NAME=COMMAND: start peer NAME with this shell line right before its rows, stop it after",
     )  # fmt: skip
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="run the served rows this many times per engine (this VM's speed moves within minutes); "
+        "the table then adds each row's median",
+    )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
     args = parser.parse_args()
 
@@ -218,7 +232,7 @@ def main() -> None:
     if not args.skip_served:
         proc, url = start_kvserve(args.dtype, args.server_threads)
         try:
-            served += served_runs("kvserve", url, "smollm2-135m-instruct")
+            served += served_runs("kvserve", url, "smollm2-135m-instruct", args.repeat)
         finally:
             results["kvserve_server_peak_rss_mb"] = _peak_rss_mb(proc.pid)
             proc.terminate()
@@ -226,7 +240,7 @@ def main() -> None:
         launches = dict(launch.split("=", 1) for launch in args.peer_launch)
         for peer in args.peer:
             name, _, peer_url = peer.partition("=")
-            served += peer_runs(name, peer_url, args.peer_model, launches.get(name))
+            served += peer_runs(name, peer_url, args.peer_model, launches.get(name), args.repeat)
     results["served"] = served
 
     offline: list[dict[str, Any]] = []
@@ -274,15 +288,33 @@ def print_served_rows(results: dict[str, Any], served: list[dict[str, Any]]) -> 
             "| machine GB/s before | client CPU s |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
-        base = {r["run"]: r["output_tok_s"] for r in served if r["engine"] == "kvserve"}
+        base = {(r["run"], r["repeat"]): r["output_tok_s"] for r in served if r["engine"] == "kvserve"}
+        repeats = 1 + max(r["repeat"] for r in served)
         for r in served:
-            ratio = base.get(r["run"], 0) / r["output_tok_s"] if r["output_tok_s"] else None
+            ratio = base.get((r["run"], r["repeat"]), 0) / r["output_tok_s"] if r["output_tok_s"] else None
+            label = r["run"] + (f" #{r['repeat'] + 1}" if repeats > 1 else "")
             print(
-                f"| {r['run']} | {r['engine']} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_ms'])} / "
+                f"| {label} | {r['engine']} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_ms'])} / "
                 f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'])} / {_fmt(r['tpot_p99_ms'])} | {r['failed']} | "
-                f"{_fmt(ratio)} | {_fmt(r['machine_memory_gb_s'])} | {r['client_cpu_s']:.2f} |"
+                f"{_fmt(ratio, 2)} | {_fmt(r['machine_memory_gb_s'])} | {r['client_cpu_s']:.2f} |"
             )
+        if repeats > 1:
+            print_served_medians(served, base)
         print(f"\nkvserve server peak RSS: {_fmt(results.get('kvserve_server_peak_rss_mb'))} MB")
+
+
+def print_served_medians(served: list[dict[str, Any]], base: dict[tuple[str, int], float]) -> None:
+    """Per run and engine, the median over repeats of tok/s and of the ratio kvserve / engine (each
+    ratio within one repeat)."""
+    print("\n| run | engine | median out tok/s | median kvserve tok/s ratio | repeats |\n|---|---|---|---|---|")
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in served:
+        groups.setdefault((r["run"], r["engine"]), []).append(r)
+    for (run, engine), rows in groups.items():
+        ratios = [base[(run, r["repeat"])] / r["output_tok_s"] for r in rows if r["output_tok_s"]]
+        tok_s = statistics.median(r["output_tok_s"] for r in rows)
+        ratio = statistics.median(ratios) if ratios else None
+        print(f"| {run} | {engine} | {tok_s:.1f} | {_fmt(ratio, 2)} | {len(rows)} |")
 
 
 if __name__ == "__main__":
