@@ -25,7 +25,6 @@ gives each row's median tok/s and median ratio to kvserve (ratios taken within o
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -163,9 +162,15 @@ def memory_gb_s() -> float:
 def served_runs(name: str, url: str, model: str, repeats: int) -> list[dict[str, Any]]:
     """SERVED_RUNS in order, `repeats` times over: one row each, tagged with its repeat."""
     rows = []
-    for repeat, (run, (count, rate, concurrency, run_seed)) in itertools.product(range(repeats), SERVED_RUNS.items()):
-        if run == next(iter(SERVED_RUNS)):
-            machine = memory_gb_s()
+    for repeat in range(repeats):
+        rows += _served_rows_once(name, url, model, repeat)
+    return rows
+
+
+def _served_rows_once(name: str, url: str, model: str, repeat: int) -> list[dict[str, Any]]:
+    machine = memory_gb_s()
+    rows = []
+    for run, (count, rate, concurrency, run_seed) in SERVED_RUNS.items():
         # Fresh prompts per run and repeat (a different seed): none is served from a warm prefix cache.
         seed = run_seed + 1000 * repeat
         workload = random_workload(count, rate, LengthDist.parse("128"), LengthDist.parse("128"), seed=seed)

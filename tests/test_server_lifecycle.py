@@ -6,6 +6,7 @@ and dead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -159,14 +160,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serve_with_api_key_drains_on_sigterm() -> None:
+@contextlib.contextmanager
+def _cli_serve(*extra_args: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`kvserve serve` (float32) in a subprocess, healthy; yields it and its base URL; killed if still up."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    argv = ["serve", "--dtype", "float32", "--port", str(port), "--api-key", "sesame", "--log-level", "warning"]
+    argv = ["serve", "--dtype", "float32", "--port", str(port), *extra_args, "--log-level", "warning"]
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv], cwd=ROOT, start_new_session=True)
     try:
         _wait_until(lambda: _healthy(proc, base), 180, "kvserve serve to become healthy")  # /health needs no key
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
+
+def test_cli_serve_with_api_key_drains_on_sigterm() -> None:
+    with _cli_serve("--api-key", "sesame") as (proc, base):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             denied = httpx.get(f"{base}/v1/models", headers=headers)
             assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
@@ -193,10 +204,6 @@ def test_cli_serve_with_api_key_drains_on_sigterm() -> None:
         assert chunks[-1].choices[0].finish_reason == "length"  # the in-flight request finished
         assert len(text + "".join(c.choices[0].text for c in chunks)) > 0
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _signal_thread(pid: int, tid: int, sig: int) -> None:
@@ -210,17 +217,8 @@ def _signal_thread(pid: int, tid: int, sig: int) -> None:
     platform.machine() != "x86_64" or sys.platform != "linux", reason="tgkill's number is x86-64 Linux's"
 )
 def test_an_idle_server_stops_on_sigterm_whichever_thread_receives_it() -> None:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    argv = ["serve", "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv], cwd=ROOT, start_new_session=True)
-    try:
-        _wait_until(lambda: _healthy(proc, base), 180, "kvserve serve to become healthy")
+    with _cli_serve() as (proc, _):
         others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
         assert others, "the server runs an HTTP thread beside the engine's"
         _signal_thread(proc.pid, max(others), signal.SIGTERM)  # the newest thread: not the main one
         assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -6,7 +6,7 @@ the heap once more than the trim threshold of it is free. A prefill step's activ
 layer, so on a fresh engine they kept arriving as new pages: ~95,000 minor page faults per 2,048-token
 step, 516-596 ms a step against 404-442 ms once the thresholds had drifted up (100 x 128-token prompts,
 bf16, 2 cores). Served, it fell on the first run a fresh `kvserve serve` took. With both thresholds
-fixed: 407-437 ms from the first step, and no faults.
+fixed: 407-459 ms from the first step, and no faults after it.
 
 The price is that the process keeps its peak heap, as a server that sizes its memory up front expects.
 """
