@@ -18,8 +18,10 @@ and peak RSS, with ratios to kvserve; writes JSON.
         [--peer vllm=http://127.0.0.1:8001 --peer llamacpp=http://127.0.0.1:8002]
         [--peer-launch vllm="COMMAND that starts it" ...] [--served-only] [--repeat N]
 
-With --repeat N each engine's served rows run N times (fresh prompts each time), and a second table
-gives each row's median tok/s and median ratio to kvserve (ratios taken within one repeat).
+With --repeat N the served rows run in N rounds (fresh prompts each round); each round runs every
+engine's rows in turn, each server started for its round and stopped after it. This VM's memory speed
+moves within minutes, so a ratio is taken within one round, between engines measured minutes apart,
+and a second table gives each row's median tok/s and median ratio to kvserve.
 """
 
 from __future__ import annotations
@@ -130,9 +132,21 @@ def start_kvserve(dtype: str, threads: int | None) -> tuple[subprocess.Popen, st
     return proc, url
 
 
-def peer_runs(name: str, url: str, model: str | None, launch: str | None, repeats: int) -> list[dict[str, Any]]:
-    """The served rows against a peer; with `launch` (a shell line) the peer is started just before
-    and stopped just after, so no two servers share the cores while either is measured."""
+def kvserve_rows(dtype: str, threads: int | None, repeat: int) -> tuple[list[dict[str, Any]], float | None]:
+    """One round of the served rows against a `kvserve serve` started for it, and the server's peak RSS."""
+    proc, url = start_kvserve(dtype, threads)
+    try:
+        rows = served_rows("kvserve", url, "smollm2-135m-instruct", repeat)
+    finally:
+        peak_rss_mb = _peak_rss_mb(proc.pid)
+        proc.terminate()
+        proc.wait(timeout=60)
+    return rows, peak_rss_mb
+
+
+def peer_rows(name: str, url: str, model: str | None, launch: str | None, repeat: int) -> list[dict[str, Any]]:
+    """One round of the served rows against a peer; with `launch` (a shell line) the peer is started just
+    before and stopped just after, so no two servers share the cores while either is measured."""
     proc = None
     if launch:
         proc = subprocess.Popen(launch, shell=True, start_new_session=True, stdout=subprocess.DEVNULL,
@@ -140,7 +154,7 @@ def peer_runs(name: str, url: str, model: str | None, launch: str | None, repeat
         wait_until_ready(proc, url, "/v1/models", name, 600)
     try:
         model = model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        return served_runs(name, url, model, repeats)
+        return served_rows(name, url, model, repeat)
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -159,15 +173,8 @@ def memory_gb_s() -> float:
     return 3 * x.numel() * 2 / (time.perf_counter() - start) / 1e9
 
 
-def served_runs(name: str, url: str, model: str, repeats: int) -> list[dict[str, Any]]:
-    """SERVED_RUNS in order, `repeats` times over: one row each, tagged with its repeat."""
-    rows = []
-    for repeat in range(repeats):
-        rows += _served_rows_once(name, url, model, repeat)
-    return rows
-
-
-def _served_rows_once(name: str, url: str, model: str, repeat: int) -> list[dict[str, Any]]:
+def served_rows(name: str, url: str, model: str, repeat: int) -> list[dict[str, Any]]:
+    """SERVED_RUNS in order, one row each, tagged with the round `repeat`."""
     machine = memory_gb_s()
     rows = []
     for run, (count, rate, concurrency, run_seed) in SERVED_RUNS.items():
@@ -175,6 +182,7 @@ def _served_rows_once(name: str, url: str, model: str, repeat: int) -> list[dict
         seed = run_seed + 1000 * repeat
         workload = random_workload(count, rate, LengthDist.parse("128"), LengthDist.parse("128"), seed=seed)
         cfg = ReplayConfig(base_url=url, model=model, max_concurrency=concurrency, warmup=2, quiet=True, seed=seed)
+        started_at = time.time()
         client_cpu_start = time.process_time()
         records, _ = replay(workload, cfg)
         # The client shares the cores with the server it measures. A lockstep engine on two threads
@@ -187,6 +195,7 @@ def _served_rows_once(name: str, url: str, model: str, repeat: int) -> list[dict
                 "engine": name,
                 "run": run,
                 "repeat": repeat,
+                "started_at_unix_s": started_at,
                 "output_tok_s": s["output_throughput"],
                 "ttft_p50_ms": s["median_ttft_ms"],
                 "ttft_p99_ms": s["p99_ttft_ms"],
@@ -221,8 +230,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--repeat", type=int, default=1,
-        help="run the served rows this many times per engine (this VM's speed moves within minutes); "
-        "the table then adds each row's median",
+        help="run the served rows in this many rounds, every engine once per round (this VM's speed moves "
+        "within minutes); the table then adds each row's median",
     )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
     args = parser.parse_args()
@@ -235,17 +244,16 @@ def main() -> None:
     # not found (no CPU is used meanwhile); a server should not pay for its benchmark client's history.
     served: list[dict[str, Any]] = []
     if not args.skip_served:
-        proc, url = start_kvserve(args.dtype, args.server_threads)
-        try:
-            served += served_runs("kvserve", url, "smollm2-135m-instruct", args.repeat)
-        finally:
-            results["kvserve_server_peak_rss_mb"] = _peak_rss_mb(proc.pid)
-            proc.terminate()
-            proc.wait(timeout=60)
         launches = dict(launch.split("=", 1) for launch in args.peer_launch)
-        for peer in args.peer:
-            name, _, peer_url = peer.partition("=")
-            served += peer_runs(name, peer_url, args.peer_model, launches.get(name), args.repeat)
+        peak_rss: list[float] = []
+        for repeat in range(args.repeat):
+            rows, peak_rss_mb = kvserve_rows(args.dtype, args.server_threads, repeat)
+            served += rows
+            peak_rss += [peak_rss_mb] if peak_rss_mb is not None else []
+            for peer in args.peer:
+                name, _, peer_url = peer.partition("=")
+                served += peer_rows(name, peer_url, args.peer_model, launches.get(name), repeat)
+        results["kvserve_server_peak_rss_mb"] = max(peak_rss, default=None)
     results["served"] = served
 
     offline: list[dict[str, Any]] = []
