@@ -270,11 +270,12 @@ def test_linear_amx_refuses_what_it_cannot_compute(kernels) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, linear.LARGE_ROWS + 1])
 def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows, dtype) -> None:
     """bf16 linears switch from the GEMV to the AMX kernel (where the CPU has it) above GEMV_MAX_ROWS
-    rows and to oneDNN (natively, or widened to float32 where oneDNN has no bf16 kernel) above
-    AMX_MAX_ROWS; float32 ones run oneDNN's packed product at every row count: every side agrees."""
+    rows, to oneDNN (natively, or widened to float32 where oneDNN has no bf16 kernel) above
+    AMX_MAX_ROWS, and to oneDNN's second packing above LARGE_ROWS; float32 ones run oneDNN's packed
+    product at every row count: every side agrees."""
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(576, 576, generator=gen).to(dtype)
     x = torch.randn(rows, 576, generator=gen).to(dtype)
@@ -285,6 +286,18 @@ def test_make_linear_agrees_with_f_linear_at_every_batch_size(kernels, rows, dty
     else:  # any summation order stays within K units of float32 rounding of the sum of |terms|
         bound = 576 * 2**-24 * F.linear(x.abs().double(), weight.abs().double())
         assert bool(((out.double() - F.linear(x.double(), weight.double())).abs() <= bound).all())
+
+
+@pytest.mark.skipif(not linear.onednn_packing_works(torch.bfloat16), reason="oneDNN packs no bf16 weights here")
+def test_bf16_weights_get_a_second_packing_for_long_prefill_chunks_only_where_asked() -> None:
+    weight = torch.randn(64, 64).bfloat16()
+    packing = linear._packed_for_rows(weight, torch.bfloat16)
+    assert packing(linear.LARGE_ROWS) is packing(1)
+    assert packing(linear.LARGE_ROWS + 1) is not packing(linear.LARGE_ROWS)
+    lm_head_packing = linear._packed_for_rows(weight, torch.bfloat16, large=False)
+    assert lm_head_packing(4 * linear.LARGE_ROWS) is lm_head_packing(1)
+    float32_packing = linear._packed_for_rows(weight.float(), torch.float32)
+    assert float32_packing(4 * linear.LARGE_ROWS) is float32_packing(1)
 
 
 @pytest.mark.parametrize("epilogues", [True, False], ids=["oneDNN epilogues", "torch without them"])

@@ -95,10 +95,29 @@ def gemv_kernels() -> ModuleType | None:
 # of rows). bf16 keeps 1 (measured on the Xeon). float32 on Zen 3, 3072x576 at 4 / 64 / 128 / 512 rows,
 # hint 1 vs 64: 0.50 / 2.5 / 5.4 / 18.7 vs 0.29 / 2.15 / 5.15 / 17.8 ms, and the same at one row.
 PACKING_ROWS_HINT = {torch.bfloat16: 1, torch.float32: 64}
+# bf16 products of more than LARGE_ROWS rows (long prefill chunks) take a second packing, made for
+# LARGE_ROWS_HINT rows: neither blocking wins at every size. The 2-core AMX Xeon, the 30 layers'
+# products with their epilogues, weights streamed, hint 1 vs 2,048, ms: 768 rows 119 vs 142, 1,024 rows
+# 141-143 vs 167-172, 1,536 rows 193 vs 180, 2,048 rows 253-257 vs 220-223, 4,096 rows 547 vs 460; a
+# 2,048-token prefill step (16 x 128-token prompts) 354 -> 316 ms, lower in each of 12 alternations.
+# float32 gains nothing from it (1,024 / 2,048 rows: 777 / 1,504 ms with hint 64, 785 / 1,492 with 2,048),
+# so it keeps one packing. The second one costs the bf16 weights' size again in memory.
+LARGE_ROWS = 1024
+LARGE_ROWS_HINT = 2048
 
 
-def _onednn_pack(weight: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.to(compute), PACKING_ROWS_HINT[compute])
+def _onednn_pack(weight: torch.Tensor, compute: torch.dtype, rows_hint: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(compute), rows_hint)
+
+
+def _packed_for_rows(weight: torch.Tensor, compute: torch.dtype, large: bool = True) -> Callable[[int], torch.Tensor]:
+    """`weight` packed for oneDNN, and which packing a product of a given row count takes. `large`: the
+    products may have more than LARGE_ROWS rows (not the LM head's, which has one row per sampled token)."""
+    packed = _onednn_pack(weight, compute, PACKING_ROWS_HINT[compute])
+    if compute != torch.bfloat16 or not large:
+        return lambda rows: packed
+    packed_large = _onednn_pack(weight, compute, LARGE_ROWS_HINT)
+    return lambda rows: packed if rows <= LARGE_ROWS else packed_large
 
 
 def _in_compute_dtype(linear: LinearFn, compute: torch.dtype, out: torch.dtype) -> LinearFn:
@@ -108,14 +127,17 @@ def _in_compute_dtype(linear: LinearFn, compute: torch.dtype, out: torch.dtype) 
     return lambda x: linear(x.to(compute)).to(out)
 
 
-def make_linear(weight: torch.Tensor) -> LinearFn:
-    """A function computing F.linear(x, weight) (no bias), as fast as this device allows."""
+def make_linear(weight: torch.Tensor, large_rows: bool = True) -> LinearFn:
+    """A function computing F.linear(x, weight) (no bias), as fast as this device allows; `large_rows`:
+    it may be given more than LARGE_ROWS rows (see _packed_for_rows)."""
     compute = _onednn_compute_dtype(weight)
     if compute is None:
         return lambda x: F.linear(x, weight)
-    packed = _onednn_pack(weight, compute)
+    packed = _packed_for_rows(weight, compute, large_rows)
     product = _in_compute_dtype(
-        lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), compute, weight.dtype
+        lambda x: torch.ops.mkldnn._linear_pointwise(x, packed(x.shape[0]), None, "none", [], ""),
+        compute,
+        weight.dtype,
     )
     return _with_few_row_kernels(weight, product)
 
@@ -133,11 +155,12 @@ def make_gated_up(weight: torch.Tensor, silu_mul: LinearFn) -> LinearFn:
     if not _onednn_epilogues_work(compute):
         gate_up = make_linear(weight)
         return lambda x: silu_mul(gate_up(x))
-    gate, up = (_onednn_pack(half.contiguous(), compute) for half in weight.chunk(2))
+    gate, up = (_packed_for_rows(half.contiguous(), compute) for half in weight.chunk(2))
 
     def many_rows(x: torch.Tensor) -> torch.Tensor:
-        silu_gate = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, silu_gate, up, None, "mul")
+        rows = x.shape[0]
+        silu_gate = torch.ops.mkldnn._linear_pointwise(x, gate(rows), None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, silu_gate, up(rows), None, "mul")
 
     return _with_few_row_kernels(weight, _in_compute_dtype(many_rows, compute, weight.dtype), silu_mul)
 

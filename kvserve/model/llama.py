@@ -69,7 +69,7 @@ class LlamaModel:
             )
             for layer in self.weights.layers
         ]
-        self.lm_head = make_linear(self.weights.lm_head)
+        self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
         # The residual stream and the norms stay in float32 whatever the weights' dtype: summing 30
         # layers' updates in bf16 loses enough precision to flip greedy choices early on this model.
         self.norms = [(layer.attn_norm.float(), layer.mlp_norm.float()) for layer in self.weights.layers]
