@@ -294,7 +294,7 @@ def test_bf16_weights_get_a_second_packing_for_long_prefill_chunks_only_where_as
     packing = linear._packed_for_rows(weight, torch.bfloat16)
     assert packing(linear.LARGE_ROWS) is packing(1)
     assert packing(linear.LARGE_ROWS + 1) is not packing(linear.LARGE_ROWS)
-    lm_head_packing = linear._packed_for_rows(weight, torch.bfloat16, large=False)
+    lm_head_packing = linear._packed_for_rows(weight, torch.bfloat16, large_rows=False)
     assert lm_head_packing(4 * linear.LARGE_ROWS) is lm_head_packing(1)
     float32_packing = linear._packed_for_rows(weight.float(), torch.float32)
     assert float32_packing(4 * linear.LARGE_ROWS) is float32_packing(1)

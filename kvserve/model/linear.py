@@ -110,11 +110,13 @@ def _onednn_pack(weight: torch.Tensor, compute: torch.dtype, rows_hint: int) -> 
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(compute), rows_hint)
 
 
-def _packed_for_rows(weight: torch.Tensor, compute: torch.dtype, large: bool = True) -> Callable[[int], torch.Tensor]:
-    """`weight` packed for oneDNN, and which packing a product of a given row count takes. `large`: the
-    products may have more than LARGE_ROWS rows (not the LM head's, which has one row per sampled token)."""
+def _packed_for_rows(
+    weight: torch.Tensor, compute: torch.dtype, large_rows: bool = True
+) -> Callable[[int], torch.Tensor]:
+    """`weight` packed for oneDNN, and which packing a product of a given row count takes. `large_rows`:
+    the products may have more than LARGE_ROWS rows (not the LM head's: one row per sampled token)."""
     packed = _onednn_pack(weight, compute, PACKING_ROWS_HINT[compute])
-    if compute != torch.bfloat16 or not large:
+    if compute != torch.bfloat16 or not large_rows:
         return lambda rows: packed
     packed_large = _onednn_pack(weight, compute, LARGE_ROWS_HINT)
     return lambda rows: packed if rows <= LARGE_ROWS else packed_large
