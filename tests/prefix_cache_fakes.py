@@ -33,10 +33,13 @@ class FakeEngine:
         max_num_seqs: int = 8,
         enable_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        row_block: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.scheduler = Scheduler(self.pool, block_size, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill)
+        self.scheduler = Scheduler(
+            self.pool, block_size, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, row_block
+        )
         self.slots: list[list[SlotContent | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.requests: dict[str, Request] = {}
         # Prompt tokens each request found cached when first admitted, and the totals the pool must report.

@@ -120,12 +120,16 @@ class LLMEngine:
         )
         self.cache = KVCache(self.model, num_blocks, block_size)
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        # Decode-only steps have at most max_num_seqs rows (without drafts, which turn row blocks off): past
+        # AMX_MAX_ROWS they leave linear_amx, and its row blocks stop mattering.
+        row_block = self.model.product_row_block if config.max_num_seqs <= linear.AMX_MAX_ROWS else None
         self.scheduler = Scheduler(
             self.pool,
             block_size,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.enable_chunked_prefill,
+            row_block,
         )
         self.attention_backend = (
             default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend

@@ -56,6 +56,8 @@ class Sequence:
     # Draft tokens proposed for this step; verified (and dropped) within the same step.
     spec_tokens: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # The scheduler pass that last left this sequence out to keep a step in whole row blocks (-1: none).
+    last_deferred_pass: int = -1
 
     @property
     def params(self) -> SamplingParams:

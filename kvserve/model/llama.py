@@ -18,7 +18,15 @@ from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import layer_ops_for
-from kvserve.model.linear import AMX_MAX_ROWS, KernelLinear, LinearFn, gemv_kernels, make_gated_up, make_linear
+from kvserve.model.linear import (
+    AMX_MAX_ROWS,
+    AMX_ROW_BLOCK,
+    KernelLinear,
+    LinearFn,
+    gemv_kernels,
+    make_gated_up,
+    make_linear,
+)
 from kvserve.model.weights import ModelWeights
 
 
@@ -89,6 +97,10 @@ class LlamaModel:
         self.compiled_decode_max_rows = (
             0 if self.decode_kernels is None else AMX_MAX_ROWS if all_tiled else self.decode_kernels.GEMV_MAX_ROWS
         )
+        # Steps of 3 to AMX_MAX_ROWS rows pay for their rows in whole blocks of this many where every product,
+        # the LM head's too, runs on linear_amx (the scheduler's row_block); None where the cost follows the rows.
+        lm_head_tiled = isinstance(self.lm_head, KernelLinear) and self.lm_head.tiles is not None
+        self.product_row_block = AMX_ROW_BLOCK if all_tiled and lm_head_tiled else None
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.q_size = config.num_heads * config.head_dim
 
