@@ -1,4 +1,5 @@
-"""Random interleavings of add / step / abort (and n > 1 forks) over a small pool.
+"""Random interleavings of add / step / abort (and n > 1 forks) over a small pool, with and without row
+blocks (decode-only steps leaving a sequence out).
 
 FakeEngine checks after every step that no block leaks, is freed twice or owned twice, that ref counts
 equal the block tables holding each block, that every read sees the K/V the reader expects (so a hit
@@ -46,6 +47,7 @@ class Scenario:
     max_num_seqs: int
     enable_caching: bool
     enable_chunked_prefill: bool
+    row_block: int | None  # 2: an odd number (> 2) of one-token rows runs one fewer
     prefixes: list[list[int]]
     ops: list[Add | Abort | Step]
 
@@ -70,6 +72,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         max_num_seqs=max_num_seqs,
         enable_caching=draw(st.booleans() | st.just(True)),
         enable_chunked_prefill=draw(st.booleans() | st.just(True)),
+        row_block=draw(st.sampled_from([None, 2])),
         prefixes=draw(st.lists(st.lists(TOKENS, min_size=2, max_size=10), min_size=3, max_size=3)),
         ops=draw(st.lists(op, min_size=8, max_size=60)),
     )
@@ -85,6 +88,7 @@ def test_random_interleavings_keep_the_pool_consistent(scenario: Scenario) -> No
         scenario.max_num_seqs,
         scenario.enable_caching,
         scenario.enable_chunked_prefill,
+        scenario.row_block,
     )
     added = 0
     for op in scenario.ops:
