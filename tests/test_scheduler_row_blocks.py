@@ -57,6 +57,7 @@ def test_left_out_sequences_take_turns_and_all_finish_their_tokens() -> None:
         ran = {id(item.seq) for item in out.scheduled}
         left_out.update(running - ran)
     assert sorted(left_out.values()) == [1] * 100
+    assert engine.scheduler.num_row_block_deferrals == 100
     engine.run_until_done()  # the fake engine checks each K/V read against what was written
     assert all(seq.num_output_tokens == 40 for request in requests for seq in request.sequences)
 
@@ -96,7 +97,10 @@ def test_real_model_gives_the_same_tokens_with_row_blocks() -> None:
 
     scheduler.schedule = recording_schedule
     with_blocks = [o.token_ids for o in llm.generate(prompts, params)]
+    deferrals = llm.engine.stats()["row_block_deferrals"]
+    assert deferrals >= 4  # 36 decoding sequences: 4 left out of each decode step
     scheduler.row_block = None
     without = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.stats()["row_block_deferrals"] == deferrals
     assert 32 in batch_rows and 36 in batch_rows  # trimmed with blocks, not without
     assert with_blocks == without

@@ -86,7 +86,7 @@ def _record(req: WorkloadRequest, output: Any, t0: float) -> RequestRecord:
 # Engine counters that only grow, so after - before is the measured run's share (warmup excluded).
 RUN_COUNTERS = (
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generated_tokens",
-    "preemptions", "steps",
+    "preemptions", "row_block_deferrals", "steps",
 )  # fmt: skip
 
 

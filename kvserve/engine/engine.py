@@ -451,6 +451,7 @@ class LLMEngine:
             "prefix_cache_blocks": pool.num_cached,
             "prefix_cache_evictions": pool.stats.evictions,
             "preemptions": self.scheduler.num_preemptions,
+            "row_block_deferrals": self.scheduler.num_row_block_deferrals,
             "steps": c.steps,
             "prompt_tokens_computed": c.prompt_tokens_computed,
             "generated_tokens": c.generated_tokens,

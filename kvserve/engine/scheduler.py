@@ -73,6 +73,7 @@ class Scheduler:
         # None where a step's cost follows its row count (_defer_partial_row_block).
         self.row_block = row_block
         self.num_passes = 0  # schedule() calls so far
+        self.num_row_block_deferrals = 0  # decode tokens postponed a step by _defer_partial_row_block
 
     # ---- queue management ----
     def add(self, seq: Sequence) -> None:
@@ -187,6 +188,7 @@ class Scheduler:
             return
         least_recently = sorted(candidates, key=lambda item: item.seq.last_deferred_pass)
         deferred = {item.seq.seq_id for item in least_recently[: rows % block]}
+        self.num_row_block_deferrals += len(deferred)
         for item in out.scheduled:
             if item.seq.seq_id in deferred:
                 item.seq.last_deferred_pass = self.num_passes

@@ -43,6 +43,7 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "prompt_tokens_computed": ("kvserve_prompt_tokens_computed", "counter", "Prompt tokens prefilled (hits excluded)"),
     "generated_tokens": ("kvserve_generated_tokens", "counter", "Tokens generated"),
     "preemptions": ("kvserve_preemptions", "counter", "Sequences preempted for lack of KV blocks"),
+    "row_block_deferrals": ("kvserve_row_block_deferrals", "counter", "Decode tokens put off a step (row blocks)"),
     "step_failures": ("kvserve_step_failures", "counter", "Iterations that raised (their requests failed)"),
     # Reported only by the router in front of several replicas (ray_client.py).
     "replicas_healthy": ("kvserve_replicas_healthy", "gauge", "Engine replicas answering health probes"),
