@@ -27,22 +27,18 @@ def decoding_engine(num_seqs: int, max_tokens: int = 40, row_block: int | None =
     return engine
 
 
-def rows_of(out: SchedulerOutput) -> int:
-    return sum(item.num_new_tokens for item in out.scheduled)
-
-
 @pytest.mark.parametrize(
     ("num_seqs", "rows"), [(100, 96), (104, 96), (36, 32), (33, 32), (105, 105), (64, 64), (20, 20)]
 )
 def test_a_few_rows_past_a_whole_block_wait_for_the_next_step(num_seqs, rows) -> None:
     engine = decoding_engine(num_seqs)
-    assert rows_of(engine.step()) == rows
+    assert engine.step().num_tokens == rows
     engine.check_invariants()
 
 
 def test_without_row_blocks_every_decoder_runs() -> None:
     engine = decoding_engine(100, row_block=None)
-    assert rows_of(engine.step()) == 100
+    assert engine.step().num_tokens == 100
 
 
 def test_left_out_sequences_take_turns_and_all_finish_their_tokens() -> None:
@@ -53,7 +49,7 @@ def test_left_out_sequences_take_turns_and_all_finish_their_tokens() -> None:
         running = {id(seq) for seq in engine.scheduler.running}
         out = engine.step()
         engine.check_invariants()
-        assert rows_of(out) == 96
+        assert out.num_tokens == 96
         ran = {id(item.seq) for item in out.scheduled}
         left_out.update(running - ran)
     assert sorted(left_out.values()) == [1] * 100
@@ -67,11 +63,11 @@ def test_steps_with_prefill_or_first_tokens_are_not_trimmed() -> None:
     engine.scheduler.max_num_batched_tokens = 96 + 38
     engine.add("late", list(range(1, 40)), max_tokens=3)
     with_prefill = engine.step()  # 96 decodes and 38 of the newcomer's 39 prompt tokens
-    assert len(with_prefill.scheduled) == 97 and rows_of(with_prefill) == 96 + 38
+    assert len(with_prefill.scheduled) == 97 and with_prefill.num_tokens == 96 + 38
     # Next: 97 one-token rows, the newcomer's the last of its prompt, whose logits give its first token.
     out = engine.step()
     engine.check_invariants()
-    assert rows_of(out) == 96
+    assert out.num_tokens == 96
     assert "late" in {item.seq.request.request_id for item in out.scheduled}
 
 
@@ -92,7 +88,7 @@ def test_real_model_gives_the_same_tokens_with_row_blocks() -> None:
 
     def recording_schedule() -> SchedulerOutput:
         out = schedule()
-        batch_rows.append(rows_of(out))
+        batch_rows.append(out.num_tokens)
         return out
 
     scheduler.schedule = recording_schedule

@@ -179,15 +179,18 @@ class Scheduler:
         for the next step; a copy-on-write already planned still runs (its table points at the copy).
         """
         block, rows = self.row_block, len(out.scheduled)
-        if block is None or rows <= block or not 0 < rows % block <= max(1, block // 4):
+        if block is None or rows <= block:
+            return
+        tail = rows % block  # rows past the last whole block
+        if not 0 < tail <= max(1, block // 4):
             return
         if any(item.num_new_tokens != 1 for item in out.scheduled):
             return  # prefill chunks or draft tokens: rows no longer one per sequence
         candidates = [item for item in reversed(out.scheduled) if item.seq.num_output_tokens > 0]
-        if len(candidates) < rows % block:
+        if len(candidates) < tail:
             return
         least_recently = sorted(candidates, key=lambda item: item.seq.last_deferred_pass)
-        deferred = {item.seq.seq_id for item in least_recently[: rows % block]}
+        deferred = {item.seq.seq_id for item in least_recently[:tail]}
         self.num_row_block_deferrals += len(deferred)
         for item in out.scheduled:
             if item.seq.seq_id in deferred:
