@@ -51,3 +51,26 @@ def test_the_users_own_malloc_settings_are_left_alone(monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     assert keep_freed_memory() is False
+
+
+# Resident MB after 40 MB of heap blocks (each below the kept mmap threshold) are freed, then after
+# return_freed_memory: the kept heap holds on to them until it is asked to give them back.
+RETURN_PROBE = """
+import os, torch
+from kvserve.engine.host_memory import keep_freed_memory, return_freed_memory
+def resident_mb():
+    return int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+assert keep_freed_memory()
+blocks = [torch.ones(2**20) for _ in range(10)]  # 10 x 4 MB
+del blocks
+kept = resident_mb()
+assert return_freed_memory()
+print(kept - resident_mb())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_return_freed_memory_gives_the_kept_heap_back() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
+    out = subprocess.run([sys.executable, "-c", RETURN_PROBE], capture_output=True, text=True, env=env, check=True)
+    assert float(out.stdout.strip()) > 30  # of the 40 MB freed

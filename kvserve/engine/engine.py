@@ -17,7 +17,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.host_memory import keep_freed_memory
+from kvserve.engine.host_memory import keep_freed_memory, return_freed_memory
 from kvserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.prefix_cache import CacheKey
 from kvserve.engine.runner import KVCache, ModelRunner, spans_of
@@ -119,6 +119,8 @@ class LLMEngine:
             2, config.kv_cache_memory_bytes // KVCache.bytes_per_block(self.model, block_size)
         )
         self.cache = KVCache(self.model, num_blocks, block_size)
+        if self.device.type == "cpu":
+            return_freed_memory()  # the load's copies of the weights: host_memory.py
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         # Decode-only steps have at most max_num_seqs rows (without drafts, which turn row blocks off): past
         # AMX_MAX_ROWS they leave linear_amx, and its row blocks stop mattering.

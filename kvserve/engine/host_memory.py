@@ -9,6 +9,8 @@ bf16, 2 cores). Served, it fell on the first run a fresh `kvserve serve` took. W
 fixed: 407-459 ms from the first step, and no faults after it.
 
 The price is that the process keeps its peak heap, as a server that sizes its memory up front expects.
+Loading is the exception: it frees copies of the weights (float32 from the checkpoint, the copies moved onto
+huge pages) that no step will reuse, so the engine hands those pages back once, after loading.
 """
 
 from __future__ import annotations
@@ -44,3 +46,15 @@ def keep_freed_memory() -> bool:
     if not done:
         logger.warning("mallopt refused the mmap/trim thresholds; host memory is returned after every step")
     return done
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the kernel now (glibc's malloc_trim); False where there is no glibc."""
+    if sys.platform != "linux":
+        return False
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim(0)
+    return True

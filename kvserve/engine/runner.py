@@ -6,6 +6,7 @@ Batch metadata is built with one pass over the spans and one tensor copy per fie
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kernels.backends import runs_compiled_decode
 from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.model.huge_pages import empty_on_huge_pages
 from kvserve.model.llama import AttentionFn, LlamaModel
 
 
@@ -23,10 +25,11 @@ class KVCache:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
         cfg = model.config
         self.block_size = block_size
-        self.tensor = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=model.dtype, device=model.device,
-        )  # fmt: skip
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if model.device.type == "cpu":  # batched decode streams it: on huge pages (model/huge_pages.py)
+            self.tensor = empty_on_huge_pages(math.prod(shape), model.dtype).view(shape).zero_()
+        else:
+            self.tensor = torch.zeros(shape, dtype=model.dtype, device=model.device)
 
     @staticmethod
     def bytes_per_block(model: LlamaModel, block_size: int) -> int:

@@ -216,4 +216,5 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] as linear_amx's B tiles: [N/16, K/32, 512], tile (j, s) holding columns 16j.. and k
     steps 32s.. with element (n, k) at (k // 2) * 32 + n * 2 + k % 2 (k-pairs of one column adjacent)."""
     n, k = weight.shape
-    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(n // 16, k // 32, 512)
+    # reshape copies (the permuted view is not viewable as 3-D): an owned tensor, no base to keep alive.
+    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
+from kvserve.model.huge_pages import move_into_one_buffer
 from kvserve.model.layer_ops import layer_ops_for
 from kvserve.model.linear import (
     AMX_MAX_ROWS,
@@ -78,6 +79,8 @@ class LlamaModel:
             for layer in self.weights.layers
         ]
         self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
+        if device.type == "cpu":
+            self._stream_from_huge_pages()
         # The residual stream and the norms stay in float32 whatever the weights' dtype: summing 30
         # layers' updates in bf16 loses enough precision to flip greedy choices early on this model.
         self.norms = [(layer.attn_norm.float(), layer.mlp_norm.float()) for layer in self.weights.layers]
@@ -105,6 +108,14 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
 
     @torch.inference_mode()
+    def _stream_from_huge_pages(self) -> None:
+        """The projection weights (what the GEMV reads) and their AMX tiles (what linear_amx reads), each
+        in one buffer on huge pages, in the order a decode step streams them (huge_pages.py)."""
+        layer_weights = [(w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj) for w in self.weights.layers]
+        move_into_one_buffer([w for layer in layer_weights for w in layer] + [self.weights.lm_head])
+        products = [p for layer in self.linears for p in layer] + [self.lm_head]
+        move_into_one_buffer(p.tiles for p in products if isinstance(p, KernelLinear) and p.tiles is not None)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [T]
