@@ -107,7 +107,6 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.q_size = config.num_heads * config.head_dim
 
-    @torch.inference_mode()
     def _stream_from_huge_pages(self) -> None:
         """The projection weights (what the GEMV reads) and their AMX tiles (what linear_amx reads), each
         in one buffer on huge pages, in the order a decode step streams them (huge_pages.py)."""
@@ -116,6 +115,7 @@ class LlamaModel:
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
         move_into_one_buffer(p.tiles for p in products if isinstance(p, KernelLinear) and p.tiles is not None)
 
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [T]
