@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +34,21 @@ TRIM_THRESHOLD_BYTES = 2**30  # free heap top kept before any is returned
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
+def _glibc_function(name: str) -> Callable[..., int] | None:
+    """glibc's function `name`, or None off Linux or where the C library is not glibc (musl and others)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds for this process; False where nothing was changed (not
     glibc, or the user set them)."""
-    if sys.platform != "linux" or any(name in os.environ for name in USER_SETTINGS):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # musl and others: no glibc to tune
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None or any(name in os.environ for name in USER_SETTINGS):
         return False
     done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     if not done:
@@ -50,11 +58,8 @@ def keep_freed_memory() -> bool:
 
 def return_freed_memory() -> bool:
     """Give the heap's free pages back to the kernel now (glibc's malloc_trim); False where there is no glibc."""
-    if sys.platform != "linux":
-        return False
-    try:
-        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _glibc_function("malloc_trim")
+    if malloc_trim is None:
         return False
     malloc_trim(0)
     return True

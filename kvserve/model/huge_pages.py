@@ -29,7 +29,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 * 2**20
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 # Each tensor in a shared buffer starts on a cache line, as the kernels' 64-byte vector and tile loads expect.
 ALIGN_BYTES = 64
 
