@@ -19,7 +19,8 @@ and peak RSS, with ratios to kvserve; writes JSON.
         [--peer-launch vllm="COMMAND that starts it" ...] [--served-only] [--repeat N]
 
 With --repeat N the served rows run in N rounds (fresh prompts each round); each round runs every
-engine's rows in turn, each server started for its round and stopped after it. This VM's memory speed
+engine's rows in turn, each server started for its round and stopped after it. The offline row runs N
+rounds too, kvserve and HF taking turns (offline_throughput.py). This VM's memory speed
 moves within minutes, so a ratio is taken within one round, between engines measured minutes apart,
 and a second table gives each row's median tok/s and median ratio to kvserve.
 """
@@ -41,7 +42,7 @@ from typing import Any
 import dtype_agreement
 import httpx
 import torch
-from offline_throughput import random_prompts, run_hf, run_kvserve
+from offline_throughput import offline_rounds, print_rounds, random_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
@@ -256,17 +257,12 @@ def main() -> None:
         results["kvserve_server_peak_rss_mb"] = max(peak_rss, default=None)
     results["served"] = served
 
-    offline: list[dict[str, Any]] = []
     if not args.served_only:
-        prompts = random_prompts(64, 128)
-        offline.append(run_kvserve(prompts, 128, args.dtype))
-        if not args.skip_hf:
-            offline.append(run_hf(prompts, 128, args.dtype))
+        results["offline"] = offline_rounds(random_prompts(64, 128), 128, args.dtype, args.repeat, not args.skip_hf)
         results["batch1"] = batch1_decode(args.dtype)
         results["bf16_vs_fp32"] = dtype_agreement.measure(with_hf=not args.skip_hf)
-    results["offline"] = offline
 
-    if offline:
+    if "offline" in results:
         print_offline_rows(results, args.dtype)
     if served:
         print_served_rows(results, served)
@@ -277,13 +273,8 @@ def main() -> None:
 
 
 def print_offline_rows(results: dict[str, Any], dtype: str) -> None:
-    offline = results["offline"]
     print(f"\n## offline 64 x 128/128, {dtype}, {results['threads']} threads")
-    print("| engine | output tok/s | kvserve / engine |\n|---|---|---|")
-    for row in offline:
-        print(
-            f"| {row['engine']} | {row['output_tok_s']:.1f} | {offline[0]['output_tok_s'] / row['output_tok_s']:.2f} |"
-        )
+    print_rounds(results["offline"])
     b1 = results["batch1"]
     print(
         f"\n## batch-1 decode: TPOT {b1['tpot_ms']:.1f} ms; per step {b1['profiled_step_ms']:.1f} ms under the "
