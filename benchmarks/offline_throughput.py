@@ -3,9 +3,9 @@ through kvserve's LLM.generate and through HF transformers' generate() on the sa
 batch, in one run. Prints output tokens/s for both and the ratio; writes JSON.
 
 Each engine is loaded once; with --repeat N the two then take turns, N rounds of one timed batch each,
-and the ratio is taken within each round. This VM's speed moves between minutes (HF's generate() gave
-292-346 tok/s in single runs on one day), so one pair of runs can land on either side of a line that the
-median of several rounds does not.
+and the ratio is taken within each round. This VM's speed moves between minutes (kvserve gave 1,410-1,515
+tok/s in single runs on one day), so one pair of runs can land on either side of a line that the median
+of several rounds does not.
 
     python benchmarks/offline_throughput.py [--num-requests 64] [--input-len 128] [--output-len 128]
         [--dtype bfloat16|float32] [--repeat 3] [--skip-hf] [--out benchmarks/results/offline_throughput.json]
@@ -60,6 +60,8 @@ def load_hf(dtype: str) -> TimedBatch:
 
     path = bundled_gguf_path()
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    # Loaded outside torch.inference_mode(), as a user loads it: loaded inside, its parameters are inference
+    # tensors, and bf16 generate() then ran 1.6x slower here (68 % of its time in aten::copy_).
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
