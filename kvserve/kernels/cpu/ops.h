@@ -28,6 +28,15 @@ constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
+// Quantized weights: `blocks` uint8 [N, row_bytes] of GGML block type `type` (quant_blocks.h).
+// The rows dequantized to float32 [N, K], exactly as gguf.quants.dequantize computes them.
+at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
+// x [M <= kGemvMaxRows, K] (float32 or bf16) @ W^T on the blocks as they lie, x quantized per 32 elements
+// to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
+at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
+// x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
+// multiplied; y in x's dtype.
+at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
 // `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved).
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
