@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from kvserve.config import EngineConfig
+from kvserve.config import QUANTIZATIONS, EngineConfig
 from kvserve.server.routing import POLICIES
 
 
@@ -17,6 +17,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=d.model, help="bundled model name, .gguf path or HF directory")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--device", default=d.device)
+    parser.add_argument(
+        "--quantization", default=d.quantization, choices=QUANTIZATIONS,
+        help="auto: keep GGUF weights in their blocks where kvserve's quantized kernels run; none: dequantize",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)

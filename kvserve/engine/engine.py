@@ -29,6 +29,7 @@ from kvserve.engine.stop_checker import append_token
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 from kvserve.model import linear
 from kvserve.model.llama import LlamaModel
+from kvserve.model.quantized_linear import quantized_kernels
 from kvserve.model.registry import load_model
 from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
@@ -105,14 +106,19 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()  # activations then reuse their pages: host_memory.py
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, self._keep_quantized(config.quantization))
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.model = LlamaModel(mcfg, loaded.weights, self.dtype, self.device, self.max_model_len)
+        # Which matrices run from GGUF blocks ("none": all dequantized); the same file quantized or not
+        # computes different values, so the prefix cache must not share blocks between the two.
+        self.quantization = loaded.weights.quantization()
+        logger.info("%s: %s weights, quantized matrices: %s", loaded.name, self.dtype, self.quantization)
+        identity = (loaded.weights_id, str(self.dtype), self.quantization)
         self.fingerprint = hashlib.sha256(
-            repr((loaded.weights_id, str(self.dtype), mcfg.rope_theta, mcfg.rope_scaling, mcfg.head_dim)).encode()
+            repr((*identity, mcfg.rope_theta, mcfg.rope_scaling, mcfg.head_dim)).encode()
         ).hexdigest()[:32]
         block_size = config.block_size
         num_blocks = config.num_kv_blocks or max(
@@ -144,6 +150,15 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._order = 0
         self.counters = EngineCounters()
+
+    def _keep_quantized(self, quantization: str) -> bool:
+        """Whether GGUF weights stay in their blocks: `--quantization auto` where the quantized kernels run."""
+        if quantization == "none":
+            return False
+        if self.device.type == "cpu" and quantized_kernels() is not None:
+            return True
+        logger.warning("--quantization auto: no quantized kernels on %s here; every weight is dequantized", self.device)
+        return False
 
     # ---- requests ----
     def add_request(

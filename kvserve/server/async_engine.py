@@ -181,6 +181,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def quantization(self) -> str:
+        return self.engine.quantization
+
+    @property
     def num_in_flight(self) -> int:
         return self._in_flight
 

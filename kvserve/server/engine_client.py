@@ -32,6 +32,10 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    # Which weight matrices run from GGUF blocks ("Q4_1 x 120, Q8_0 x 1"), or "none".
+    @property
+    def quantization(self) -> str: ...
+
     async def submit(
         self,
         request_id: str,

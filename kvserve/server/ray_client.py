@@ -103,6 +103,10 @@ class RayEngineClient:
         return self.info.max_model_len
 
     @property
+    def quantization(self) -> str:
+        return self.info.quantization
+
+    @property
     def error(self) -> str | None:
         if any(r.healthy for r in self.replicas.values()):
             return None
