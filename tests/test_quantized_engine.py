@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, EngineConfig, SamplingParams
 from kvserve.bench.agreement import free_running, teacher_forced_agreement
 from kvserve.model.quantized import QuantizedTensor
 from kvserve.model.quantized_linear import quantized_kernels
@@ -56,6 +56,11 @@ def test_native_weights_follow_the_dequantized_float32_engine(llm_fp32, llm_nati
     free = free_running(reference, [o.token_ids for o in llm_native.generate(prompts, greedy)])
     print(f"teacher-forced agreement {agreement:.3f}, free-running {free}")
     assert agreement >= 0.99
+
+
+def test_an_unknown_quantization_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
 
 
 def test_the_quantization_is_in_the_fingerprint_and_the_model_facts(llm_fp32, llm_native) -> None:
