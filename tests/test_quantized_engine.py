@@ -22,6 +22,7 @@ from kvserve.model.registry import DEFAULT_MODEL, load_model
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.openai_api import build_app
 from kvserve.server.testing import ServerThread
+from tests.test_decode_layers import BATCH, generate
 
 pytestmark = pytest.mark.skipif(quantized_kernels() is None, reason="the quantized kernels need AVX2, FMA, F16C")
 TOPICS = ["the sea", "photosynthesis", "trains", "chess"]
@@ -67,7 +68,20 @@ def test_the_quantization_is_in_the_fingerprint_and_the_model_facts(llm_fp32, ll
     assert llm_native.engine.quantization == "Q4_1 x 120, Q8_0 x 1"
     assert llm_fp32.engine.quantization == "none"
     assert llm_native.engine.fingerprint != llm_fp32.engine.fingerprint
-    assert not llm_native.engine.model.decode_kernels  # the compiled bf16 decode step takes no blocks
+
+
+@pytest.mark.parametrize("rows", [1, 5], ids=["batch 1: quant_gemv", "batch 5: quant_linear"])
+def test_the_compiled_decode_step_takes_the_blocks_and_gives_the_python_loops_tokens(rows: int) -> None:
+    """Without prefix caching, so that both runs prefill the same rows through the same kernels."""
+    llm = LLM(quantization="auto", dtype="float32", enable_prefix_caching=False)
+    assert llm.engine.model.decode_block_types == [int(GGMLQuantizationType.Q4_1)] * 120
+    try:
+        compiled, ran = generate(llm, BATCH[:rows], compiled=True)
+        python, ran_without = generate(llm, BATCH[:rows], compiled=False)
+    finally:
+        llm.engine.runner.compiled_decode = True
+    assert ran and not ran_without
+    assert compiled == python
 
 
 def test_greedy_generation_through_the_server() -> None:

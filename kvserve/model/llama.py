@@ -28,8 +28,13 @@ from kvserve.model.linear import (
     make_linear,
 )
 from kvserve.model.quantized import QuantizedTensor
-from kvserve.model.quantized_linear import make_embedding
-from kvserve.model.weights import ModelWeights
+from kvserve.model.quantized_linear import QuantizedLinear, make_embedding, quantized_kernels
+from kvserve.model.weights import LayerWeights, ModelWeights, Weight
+
+
+def projection_weights(layer: LayerWeights) -> tuple[Weight, ...]:
+    """A layer's four projections in the order a step runs them (and decode_layers takes them)."""
+    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
 class LayerLinears(NamedTuple):
@@ -90,19 +95,30 @@ class LlamaModel:
         self.final_norm = self.weights.final_norm.float()
         self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)
         # The compiled decode step (kernels/cpu/decode_layers.cpp) needs every linear to be a bf16
-        # KernelLinear (so no quantized weights); it takes each layer's tensors in this order, and their
-        # AMX tiles where every projection has them (then it takes up to AMX_MAX_ROWS rows, else the GEMV's few).
-        compiled = dtype == torch.bfloat16 and device.type == "cpu" and not self.quantized
-        self.decode_kernels = gemv_kernels() if compiled else None
+        # KernelLinear, or every linear a QuantizedLinear (any dtype); it takes each layer's tensors in this
+        # order (a quantized one as its blocks, with the block types), and their AMX tiles where every
+        # projection has them. It then takes up to AMX_MAX_ROWS rows (quant_linear takes any number; the
+        # one limit keeps the step's cost model), else the bf16 GEMV's few.
+        projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
+        all_quantized = all(isinstance(p, QuantizedLinear) for layer in projections for p in layer)
+        self.decode_kernels = None
+        if device.type == "cpu" and all_quantized:
+            self.decode_kernels = quantized_kernels()
+        elif device.type == "cpu" and dtype == torch.bfloat16 and not self.quantized:
+            self.decode_kernels = gemv_kernels()
         self.decode_layer_tensors = [
-            (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, *norms)
+            (*(w.blocks if isinstance(w, QuantizedTensor) else w for w in projection_weights(layer)), *norms)
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)
         ]
-        projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
+        self.decode_block_types = [int(p.weight.qtype) for layer in projections for p in layer] if all_quantized else []
         all_tiled = all(isinstance(p, KernelLinear) and p.tiles is not None for layer in projections for p in layer)
         self.decode_layer_tiles = [[p.tiles for p in layer] for layer in projections] if all_tiled else None
         self.compiled_decode_max_rows = (
-            0 if self.decode_kernels is None else AMX_MAX_ROWS if all_tiled else self.decode_kernels.GEMV_MAX_ROWS
+            0
+            if self.decode_kernels is None
+            else AMX_MAX_ROWS
+            if all_tiled or all_quantized
+            else self.decode_kernels.GEMV_MAX_ROWS
         )
         # Steps of 3 to AMX_MAX_ROWS rows pay for their rows in whole blocks of this many where every product,
         # the LM head's too, runs on linear_amx (the scheduler's row_block); None where the cost follows the rows.
@@ -115,8 +131,7 @@ class LlamaModel:
         """The projection weights (what the GEMV reads: dense ones in one buffer, GGUF blocks in another)
         and their AMX tiles (what linear_amx reads), each in one buffer on huge pages, in the order a
         decode step streams them (huge_pages.py)."""
-        layer_weights = [(w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj) for w in self.weights.layers]
-        streamed = [w for layer in layer_weights for w in layer] + [self.weights.lm_head]
+        streamed = [w for layer in self.weights.layers for w in projection_weights(layer)] + [self.weights.lm_head]
         move_into_one_buffer(w for w in streamed if not isinstance(w, QuantizedTensor))
         move_into_one_buffer(w.blocks for w in streamed if isinstance(w, QuantizedTensor))
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
@@ -152,7 +167,7 @@ class LlamaModel:
             tiles = [] if self.decode_layer_tiles is None else self.decode_layer_tiles[: len(layers)]
             return kernels.decode_layers(
                 h, [tensor for group in self.decode_layer_tensors[: len(layers)] for tensor in group],
-                [tensor for group in tiles for tensor in group],
+                [tensor for group in tiles for tensor in group], self.decode_block_types[: 4 * len(layers)],
                 self.final_norm, eps, positions, self.rope_cos, self.rope_sin, kv_cache, slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), self.scale,
                 cfg.num_heads, cfg.num_kv_heads,
