@@ -6,7 +6,6 @@ request's iterations: its prefill tokens and decode steps, as its usage says."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-CHROMIUM = shutil.which("chromium")
+from kvserve.server.testing import CHROMIUM, CHROMIUM_ARGS
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: apt-get install chromium"),
@@ -25,17 +25,6 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sesame"
-# Chromium without a display, a sandbox (root in CI) or any network of its own.
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 MAX_TOKENS = 8
 QUESTION = "What is the capital of France?"
 
@@ -76,7 +65,7 @@ def browser() -> Iterator[object]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_ARGS))
         yield browser
         browser.close()
 
