@@ -1,7 +1,7 @@
 """A screenshot of the web page while a running `kvserve serve` answers a load: the page sends one chat
-message of its own, then N streaming chat requests arrive at once (a shared system prompt, so the prefix
-cache hits; different lengths, so requests finish while others run), and headless Chromium takes the
-picture once a quarter of them have finished.
+message of its own, then N streaming chat requests arrive in waves of 8 (a shared system prompt, so the
+later waves hit the prefix cache; different lengths, so requests finish while others run), and headless
+Chromium takes the picture once a quarter of them have finished.
 
     python scripts/web_ui_screenshot.py --url http://127.0.0.1:8000 [--key KEY] [--requests 32] --out page.png
 """
@@ -22,10 +22,11 @@ SYSTEM = "You are a concise travel assistant. Answer in two or three sentences, 
 CITIES = ["Paris", "Kyoto", "Lima", "Oslo", "Cairo", "Hanoi", "Quebec", "Porto"]
 
 
-async def load(url: str, key: str | None, requests: int, finished: list[int]) -> None:
+async def load(url: str, key: str | None, requests: int, wave_s: float, finished: list[int]) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
+        await asyncio.sleep(wave_s * (i // 8))
         city = CITIES[i % len(CITIES)]
         body = {
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What to see in {city}?"}],
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--key", default=None)
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--wave-s", type=float, default=3.0, help="seconds between waves of 8 requests")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if CHROMIUM is None:
@@ -60,7 +62,8 @@ def main() -> None:
         page.fill("#prompt", "Plan a rainy afternoon in Paris.")
         page.press("#prompt", "Enter")
         finished: list[int] = []
-        loader = threading.Thread(target=asyncio.run, args=(load(args.url, args.key, args.requests, finished),))
+        traffic = load(args.url, args.key, args.requests, args.wave_s, finished)
+        loader = threading.Thread(target=asyncio.run, args=(traffic,))
         loader.start()
         while len(finished) < args.requests // 4 and loader.is_alive():
             time.sleep(0.2)

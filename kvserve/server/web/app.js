@@ -6,7 +6,7 @@
 
 const $ = (id) => document.getElementById(id);
 const WINDOW_STEPS = 120; // iterations the timeline shows, one column each
-const MAX_ROWS = 32; // timeline rows at most: the sequences that started last
+const MAX_ROWS = 48; // timeline rows at most
 const MAX_REQUESTS = 300; // requests the table keeps
 const MAX_LATENCIES = 1000; // finished requests the histograms cover
 const HIST_BOUNDS_MS = [5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];
@@ -274,9 +274,13 @@ function drawTimeline() {
   const steps = state.steps;
   const rows = new Map();
   for (const step of steps) for (const [id, sample] of step.s) if (!rows.has(rowKey(id, sample))) rows.set(rowKey(id, sample), id);
+  // The rows that started last, and the page's own requests whenever they are in the window.
   let keys = [...rows.keys()];
-  const hidden = Math.max(keys.length - MAX_ROWS, 0);
-  keys = keys.slice(hidden);
+  const mine = keys.filter((key) => state.mine.has(rows.get(key)));
+  const others = keys.filter((key) => !state.mine.has(rows.get(key)));
+  const shown = new Set([...mine.slice(-MAX_ROWS), ...others.slice(-Math.max(MAX_ROWS - mine.length, 0))]);
+  const hidden = keys.length - shown.size;
+  keys = keys.filter((key) => shown.has(key));
   const rowIndex = new Map(keys.map((key, i) => [key, i]));
   const rowH = keys.length > 20 ? 9 : 14;
   const top = 16;
@@ -297,7 +301,7 @@ function drawTimeline() {
   for (const key of keys) {
     const y = top + rowIndex.get(key) * rowH;
     ctx.fillStyle = state.mine.has(rows.get(key)) ? cYou : cDim;
-    ctx.fillText(key, 2, y + rowH - 2);
+    ctx.fillText(state.mine.has(rows.get(key)) ? `${key} (you)` : key, 2, y + rowH - 2);
   }
   steps.forEach((step, j) => {
     const x = x0 + j * colW;
@@ -330,15 +334,17 @@ function drawTimeline() {
     }
   });
 
-  // Tokens per step (stacked prefill / decode) and the batch size (line), on the same columns.
+  // Tokens per step (stacked prefill / decode) on a square-root scale, so that one-token decode steps
+  // stay visible beside a long prefill; the batch size (line) on a linear one; the same columns.
   const base = top + Math.max(keys.length, 4) * rowH + 10 + chartH;
   const maxTokens = Math.max(1, ...steps.map((s) => s.n));
   const maxBatch = Math.max(1, ...steps.map((s) => s.s.length));
   steps.forEach((step, j) => {
     const x = x0 + j * colW;
     const prefill = step.s.reduce((sum, s) => sum + s[2], 0);
-    const hPrefill = (chartH * prefill) / maxTokens;
-    const hDecode = (chartH * (step.n - prefill)) / maxTokens;
+    const hAll = chartH * Math.sqrt(step.n / maxTokens);
+    const hPrefill = step.n ? (hAll * prefill) / step.n : 0;
+    const hDecode = hAll - hPrefill;
     ctx.fillStyle = cPrefill;
     ctx.fillRect(x, base - hPrefill, colW - gap, hPrefill);
     ctx.fillStyle = cDecode;
@@ -355,7 +361,7 @@ function drawTimeline() {
   });
   ctx.stroke();
   ctx.fillStyle = cDim;
-  ctx.fillText(`tokens/step ≤ ${maxTokens}`, 2, base - chartH + 10);
+  ctx.fillText(`tokens/step ≤ ${maxTokens} (√)`, 2, base - chartH + 10);
   ctx.fillStyle = cYou;
   ctx.fillText(`batch ≤ ${maxBatch}`, 2, base - chartH + 24);
   ctx.fillStyle = cDim;
