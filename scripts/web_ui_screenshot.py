@@ -1,7 +1,8 @@
 """A screenshot of the web page while a running `kvserve serve` answers a load: the page sends one chat
-message of its own, then N streaming chat requests arrive in waves of 8 (a shared system prompt, so the
-later waves hit the prefix cache; different lengths, so requests finish while others run), and headless
-Chromium takes the picture once a quarter of them have finished.
+message of its own, then N streaming chat requests arrive in waves of 8, each wave once the previous one
+has its first tokens (a shared system prompt, so the later waves hit the prefix cache; different
+lengths, so requests finish while others run), and headless Chromium takes the picture once a quarter
+of them have finished.
 
     python scripts/web_ui_screenshot.py --url http://127.0.0.1:8000 [--key KEY] [--requests 32] --out page.png
 """
@@ -22,11 +23,13 @@ SYSTEM = "You are a concise travel assistant. Answer in two or three sentences, 
 CITIES = ["Paris", "Kyoto", "Lima", "Oslo", "Cairo", "Hanoi", "Quebec", "Porto"]
 
 
-async def load(url: str, key: str | None, requests: int, wave_s: float, finished: list[int]) -> None:
+async def load(url: str, key: str | None, requests: int, finished: list[int]) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    answering: list[int] = []  # requests that have their first chunk
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
-        await asyncio.sleep(wave_s * (i // 8))
+        while len(answering) < 8 * (i // 8):
+            await asyncio.sleep(0.05)
         city = CITIES[i % len(CITIES)]
         body = {
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What to see in {city}?"}],
@@ -35,8 +38,9 @@ async def load(url: str, key: str | None, requests: int, wave_s: float, finished
             "stream": True,
         }
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
-            async for _ in response.aiter_lines():
-                pass
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and i not in answering:
+                    answering.append(i)
         finished.append(i)
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -48,7 +52,6 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--key", default=None)
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--wave-s", type=float, default=3.0, help="seconds between waves of 8 requests")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if CHROMIUM is None:
@@ -62,7 +65,7 @@ def main() -> None:
         page.fill("#prompt", "Plan a rainy afternoon in Paris.")
         page.press("#prompt", "Enter")
         finished: list[int] = []
-        traffic = load(args.url, args.key, args.requests, args.wave_s, finished)
+        traffic = load(args.url, args.key, args.requests, finished)
         loader = threading.Thread(target=asyncio.run, args=(traffic,))
         loader.start()
         while len(finished) < args.requests // 4 and loader.is_alive():

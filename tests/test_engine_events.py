@@ -18,6 +18,7 @@ import pytest
 from fastapi import FastAPI
 
 from kvserve import EngineConfig
+from kvserve.cli import build_parser
 from kvserve.engine.step_trace import FinishedRequest, SeqWork, StepRecord, StepTrace
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.engine_events import EngineEvents, short_id
@@ -221,3 +222,8 @@ def test_clients_that_leave_leave_nothing_behind(served: Served) -> None:
     asyncio.run(many())
     wait_until(lambda: feed.subscribers == 0, 5, "every subscriber to be gone")
     wait_until(lambda: served.num_tasks() <= baseline, 5, "the server's tasks to return to the baseline")
+
+
+def test_cli_no_web_ui_flag() -> None:
+    assert build_parser().parse_args(["serve"]).web_ui is True
+    assert build_parser().parse_args(["serve", "--no-web-ui"]).web_ui is False

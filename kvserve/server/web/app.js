@@ -406,7 +406,7 @@ function drawHistogram(canvas, caption, name, values) {
 function drawTable() {
   const body = $("requests").tBodies[0];
   const latest = state.lastIndex;
-  const rows = [...state.requests.values()].slice(-40).reverse();
+  const rows = [...state.requests.values()].slice(-24).reverse();
   const fmt = (v) => (v === null ? "–" : v.toFixed(1));
   body.replaceChildren(
     ...rows.map((agg) => {
