@@ -71,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        web_ui=args.web_ui,
     )
     return 0
 
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     srv.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGTERM"
+    )
+    srv.add_argument(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="leave out the web page at / and its live engine view's feed, /v1/engine/events",
     )
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.add_argument(

@@ -25,6 +25,7 @@ from kvserve.engine.sampler import sample_rows, token_logprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Request, Sequence
+from kvserve.engine.step_trace import StepTrace, work_of
 from kvserve.engine.stop_checker import append_token
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 from kvserve.model import linear
@@ -144,6 +145,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._order = 0
         self.counters = EngineCounters()
+        # Set by whoever wants a record of every step (the server's live view): step_trace.py.
+        self.step_trace: StepTrace | None = None
 
     # ---- requests ----
     def add_request(
@@ -240,6 +243,7 @@ class LLMEngine:
 
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:
+        began_wall, began = time.time(), time.perf_counter()
         proposals = self._plan_speculation()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -265,6 +269,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
         self._count_step(sched)
+        trace = self.step_trace
+        work = work_of(sched) if trace is not None else []
 
         jobs: list[tuple[Sequence, int]] = []  # (sequence, logits row) to sample
         verifications: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, its k+1 logits rows)
@@ -285,6 +291,7 @@ class LLMEngine:
         self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
 
         touched: dict[str, Request] = {}
+        accepted: dict[tuple[str, int], int] = {}  # (request id, sample) -> drafts kept, for the trace
         emissions: list[tuple[Sequence, list[int], list]] = []
         if jobs:
             seqs = [s for s, _ in jobs]
@@ -310,6 +317,7 @@ class LLMEngine:
                 self._fail(seq.request, exc)
                 continue
             seq.num_computed_tokens += len(emitted) - 1
+            accepted[seq.request.request_id, seq.index] = len(emitted) - 1
             seq.spec_tokens = []
             logprobs = self._logprobs(rows[: len(emitted)], emitted, [seq] * len(emitted))
             emissions.append((seq, emitted, logprobs))
@@ -330,6 +338,8 @@ class LLMEngine:
         if verifications:
             self.speculator.stats.steps += 1
             self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
+        if trace is not None:
+            trace.record(self, work, accepted, began_wall, began, touched.values())
         return [self._output_of(request) for request in touched.values()]
 
     def _count_step(self, sched: SchedulerOutput) -> None:

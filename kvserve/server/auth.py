@@ -1,4 +1,4 @@
-"""`--api-key`: every request but /health must carry `Authorization: Bearer <key>`.
+"""`--api-key`: every request but /health and the web page's files must carry `Authorization: Bearer <key>`.
 
 A pure ASGI middleware, so it rejects before the body is read and leaves streaming and disconnect
 detection of the endpoints untouched (Starlette's BaseHTTPMiddleware wraps both).
@@ -13,7 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})
+# The web page's files hold no data (web_ui.py): the page asks for the key and sends it on every call.
+OPEN_PATHS = frozenset({"/health", "/", "/web/app.js", "/web/style.css"})
 
 
 class BearerAuth:

@@ -63,10 +63,11 @@ def serve(
     served_model_name: str | None = None,
     drain_timeout_s: float = 30.0,
     log_level: str = "info",
+    web_ui: bool = True,
 ) -> None:
     """The engine loop on this (main) thread, uvicorn on another: see async_engine.py for why."""
     async_engine = AsyncEngine(LLMEngine(config))
-    app = build_app(async_engine, api_key, served_model_name)
+    app = build_app(async_engine, api_key, served_model_name, web_ui=web_ui)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     server = DrainingServer(uv_config, async_engine, drain_timeout_s)
     # uvicorn installs its signal handlers only on the main thread, which the engine holds here.

@@ -12,15 +12,14 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.engine import QueueFullError
 from kvserve.engine.outputs import RequestOutput
@@ -40,7 +39,8 @@ from kvserve.server.protocol import (
     ModelCard,
     ModelList,
 )
-from kvserve.server.streaming import Flavor, ResponseMeta, failure_of, sse_events, usage_of
+from kvserve.server.streaming import Flavor, ResponseMeta, SSEResponse, failure_of, sse_events, usage_of
+from kvserve.server.web_ui import install_web_ui
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -79,7 +79,7 @@ class _Generator:
         endpoint = request.url.path
         if body.stream:
             events = sse_events(stream, flavor, meta, body.include_usage, body.continuous_usage)
-            return _SSEResponse(events, on_close=lambda: self._close(stream, endpoint))
+            return SSEResponse(events, on_close=lambda: self._close(stream, endpoint))
         try:
             outputs = await _collect(stream, request)
         except Exception as exc:  # the engine failed this request (counted as "failed" by _close)
@@ -108,23 +108,6 @@ class _Generator:
             for output in outputs:
                 self.metrics.observe_finished(output)
         self.metrics.requests.labels(endpoint, outcome).inc()
-
-
-class _SSEResponse(StreamingResponse):
-    """An event stream that runs on_close however it ends: finished, failed, or the client gone —
-    also when the client left before the body iterator ever started (its own finally never runs then)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 async def _collect(stream: RequestStream, request: Request) -> list[RequestOutput] | None:
@@ -164,8 +147,10 @@ def build_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     extra_collectors: Sequence[Collector] = (),
+    web_ui: bool = True,
 ) -> FastAPI:
-    """The app over one engine client; extra_collectors add to /metrics (e.g. per-replica series)."""
+    """The app over one engine client; extra_collectors add to /metrics (e.g. per-replica series);
+    web_ui: the page at / and its live view's feed (web_ui.py)."""
     model_name = served_model_name or async_engine.model_name
     created = int(time.time())
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", version="0.1.0")
@@ -208,4 +193,5 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.state.engine_events = install_web_ui(app, async_engine, model_name) if web_ui else None
     return app
