@@ -36,7 +36,8 @@ int64_t argmax_row(const T* x, int64_t n) {
 #ifdef __AVX512F__
   // Per lane: the largest value so far and where it first occurred (strictly greater replaces).
   __m512 lane_max = _mm512_set1_ps(-INFINITY);
-  __m512i lane_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i lane_index = _mm512_setzero_si512(),
+          index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {

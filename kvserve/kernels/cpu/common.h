@@ -30,13 +30,11 @@
 #include <vector>
 
 // The model dtypes: float32 and bfloat16 (anything else is refused with an error naming the dtype).
-#define KVSERVE_DISPATCH(dtype, ...) \
-  AT_DISPATCH_SWITCH(dtype, "kvserve_cpu_ops", AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                                   AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
-
+#define KVSERVE_DISPATCH(dtype, ...)           \
+  AT_DISPATCH_SWITCH(dtype, "kvserve_cpu_ops", \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace kvserve {
-
 
 // bfloat16 data is handled as its raw uint16_t bits: GCC does not vectorize loads of the c10::BFloat16
 // class, and the conversions below are a shift and a rounding add. raw_t<scalar_t> is the element
@@ -57,9 +55,7 @@ raw_t<scalar_t>* raw(const at::Tensor& t) {
 }
 
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16_bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits) << 16);
-}
+inline float to_float(uint16_t bf16_bits) { return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits) << 16); }
 
 template <typename T>
 inline T from_float(float x);

@@ -199,8 +199,8 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
     std::vector<T> kb(heads * kTile * dim);
     std::vector<const T*> q_rows;
     std::vector<int64_t> last_key, visible;  // per row: last key it may see; keys of this tile it sees
-    std::vector<float> probs, alpha;  // per row: [kTile] scores, then probabilities; rescale factor
-    PacedPrefetch<T> prefetch;  // the next tile's K/V rows
+    std::vector<float> probs, alpha;         // per row: [kTile] scores, then probabilities; rescale factor
+    PacedPrefetch<T> prefetch;               // the next tile's K/V rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / items_per_seq], first_head = item % items_per_seq * heads;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
@@ -255,8 +255,8 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
               }
               alpha[r] = softmax_tile(scores, visible[r], p.scale, m[r], l[r]);
             }
-            accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows,
-                            width, &acc[r0 * width]);
+            accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows, width,
+                            &acc[r0 * width]);
           }
           prefetch.issue(-1);
         }
@@ -273,24 +273,34 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
                       at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale) {
   RECORD_FUNCTION("kvserve::decode_attention", {});  // named in torch profiler traces
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with a contiguous last dim");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(
+      k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+      "caches must be contiguous [blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "q, caches and out must share one dtype");
+                  out.scalar_type() == q.scalar_type(),
+              "q, caches and out must share one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head counts or dims disagree");
   TORCH_CHECK(out.is_contiguous() && out.size(1) == q.size(1) && out.size(2) == q.size(2) && out.size(0) >= q.size(0),
               "out must be contiguous [>= T, Hq, D]");
   for (const auto& t : {block_tables, seq_lens, cu_seqlens_q, seq_ids}) {
     TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "index tensors must be contiguous int64");
   }
-  const DecodeProblem problem{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), q.stride(0), q.stride(1),
-                              block_tables.size(1), block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                              cu_seqlens_q.data_ptr<int64_t>(), seq_ids.data_ptr<int64_t>(), seq_ids.size(0),
+  const DecodeProblem problem{q.size(1),
+                              k_cache.size(2),
+                              q.size(2),
+                              k_cache.size(1),
+                              q.stride(0),
+                              q.stride(1),
+                              block_tables.size(1),
+                              block_tables.data_ptr<int64_t>(),
+                              seq_lens.data_ptr<int64_t>(),
+                              cu_seqlens_q.data_ptr<int64_t>(),
+                              seq_ids.data_ptr<int64_t>(),
+                              seq_ids.size(0),
                               static_cast<float>(scale)};
   KVSERVE_DISPATCH(q.scalar_type(), [&] {
-    if (amx_decode_supported(problem) &&
-        decode_attention_amx(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
-                             raw<scalar_t>(out))) {
+    if (amx_decode_supported(problem) && decode_attention_amx(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache),
+                                                              raw<scalar_t>(v_cache), raw<scalar_t>(out))) {
       return;
     }
     decode_attention_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),

@@ -23,7 +23,9 @@ struct DecodeProblem {
 struct QueryRow {
   int64_t token, q_head;
 };
-inline QueryRow query_row(int64_t r, int64_t kv_head, int64_t group) { return {r / group, kv_head * group + r % group}; }
+inline QueryRow query_row(int64_t r, int64_t kv_head, int64_t group) {
+  return {r / group, kv_head * group + r % group};
+}
 
 // out's row for a query: acc / l, rounded once to the output dtype. l >= 1: in both kernels the
 // reference m is one of the row's own scores, whose term exp(0) = 1 is in l.
@@ -107,8 +109,8 @@ class PacedPrefetch {
 // The AMX kernel (decode_attention_amx.cpp), for bf16 caches where amx_decode_supported says the
 // shapes and the CPU allow it. The float32 overload computes nothing and returns false.
 bool amx_decode_supported(const DecodeProblem& p);
-bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache,
-                          const uint16_t* v_cache, uint16_t* out);
+bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                          uint16_t* out);
 inline bool decode_attention_amx(const DecodeProblem&, const float*, const float*, const float*, float*) {
   return false;
 }

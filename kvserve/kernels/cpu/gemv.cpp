@@ -114,7 +114,8 @@ void gemv_kernel(const XElem* x, const uint16_t* w, uint16_t* y, int64_t n_total
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight) {
   RECORD_FUNCTION("kvserve::gemv_bf16", {});  // named in torch profiler traces
 #ifdef KVSERVE_HAS_GEMV
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "x and weight must be bfloat16");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() && x.size(1) == weight.size(1),
               "x must be [M, K] and weight a contiguous [N, K]");
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
@@ -131,8 +132,12 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight) {
   const uint16_t* ws = raw<c10::BFloat16>(weight);
   auto* ys = raw<c10::BFloat16>(y);
   switch (m) {
-    case 1: gemv_kernel<1>(xs, ws, ys, n, k); break;
-    default: gemv_kernel<2>(xs, ws, ys, n, k); break;
+    case 1:
+      gemv_kernel<1>(xs, ws, ys, n, k);
+      break;
+    default:
+      gemv_kernel<2>(xs, ws, ys, n, k);
+      break;
   }
   return y;
 #else

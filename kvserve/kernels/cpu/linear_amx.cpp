@@ -115,7 +115,8 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated) {
     tail = at::zeros({tail_tiles * kRows, k}, x.options());
     tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, full_blocks * 2 * kRows, tail_rows));
   }
-  const uint16_t* tail_data = tail_rows > 0 ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* tail_data =
+      tail_rows > 0 ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, n / (2 * kCols), 1, [=](int64_t begin, int64_t end) {
     const TileConfig config = tile_config();
     _tile_loadconfig(&config);

@@ -31,9 +31,9 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
 // `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved).
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
-at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles, at::Tensor final_norm, double eps,
-                         at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
-                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids,
-                         double scale, int64_t hq, int64_t hkv);
+at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
+                         at::Tensor final_norm, double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                         at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                         at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq, int64_t hkv);
 
 }  // namespace kvserve
