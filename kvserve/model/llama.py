@@ -28,6 +28,7 @@ from kvserve.model.linear import (
     make_gated_up,
     make_linear,
 )
+from kvserve.model.progress import progress
 from kvserve.model.weights import ModelWeights
 
 
@@ -76,7 +77,7 @@ class LlamaModel:
                 gated_up=make_gated_up(layer.gate_up_proj, self.ops.silu_mul),
                 down_proj=make_linear(layer.down_proj),
             )
-            for layer in self.weights.layers
+            for layer in progress(self.weights.layers, "packing weights", "layer")
         ]
         self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
         if device.type == "cpu":
