@@ -118,11 +118,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import LLMEngine
-    from kvserve.engine.startup_report import engine_report, process_age_s
+    from kvserve.engine.startup_report import engine_report, time_since_start
 
     engine = LLMEngine(engine_config_from_args(args))
     report = engine_report(engine)
-    report.add("time to load", f"{process_age_s():.1f} s since the process started")
+    report.add("time to load", time_since_start())
     print(json.dumps(report.rows, indent=2) if args.json else "\n".join(report.lines()))
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,12 @@ def process_age_s() -> float:
     start_ticks = int(fields_after_name[19])  # field 22, starttime: clock ticks after boot
     uptime_s = float(Path("/proc/uptime").read_text().split()[0])
     return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def time_since_start() -> str:
+    """Wall time since the process started, and the CPU time it used (all threads): on a machine shared
+    with other work the wall time stretches, the CPU time does not."""
+    return f"{process_age_s():.1f} s since the process started ({time.process_time():.1f} s of CPU)"
 
 
 def model_family(source: ModelSource) -> str:

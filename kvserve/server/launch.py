@@ -18,7 +18,7 @@ import uvicorn
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.engine.startup_report import StartupReport, engine_report, process_age_s
+from kvserve.engine.startup_report import StartupReport, engine_report, time_since_start
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.openai_api import build_app
 
@@ -44,7 +44,7 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:  # listening: the report is complete
             self.report.add("listen", f"http://{self.config.host}:{self.config.port}")
-            self.report.add("time to ready", f"{process_age_s():.1f} s since the process started")
+            self.report.add("time to ready", time_since_start())
             for line in self.report.lines():
                 logger.info("%s", line)
 
