@@ -13,14 +13,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 
 
-def load_build_config():
+def load_build_config() -> ModuleType:
     spec = importlib.util.spec_from_file_location("build_config", ROOT / "kvserve/kernels/cpu/build_config.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,7 +45,8 @@ def kernel_build() -> dict:
     extension = CppExtension(
         name=f"kvserve.kernels.cpu.{config.PREBUILT_NAME}",
         sources=[str(path.relative_to(ROOT)) for path in config.sources()],
-        extra_compile_args={"cxx": [*config.CFLAGS, config.fingerprint_define(fingerprint)]},
+        # -g0: Python's own build flags (sysconfig) ask for debug info, which only slows the compile.
+        extra_compile_args={"cxx": [*config.CFLAGS, "-g0", config.fingerprint_define(fingerprint)]},
         extra_link_args=config.LDFLAGS,
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
