@@ -285,13 +285,13 @@ class LLMEngine:
         self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
 
         touched: dict[str, Request] = {}
-        emissions: list[tuple[Sequence, list[int], list]] = []
+        emissions: list[tuple[Sequence, list[int], list | None]] = []
         if jobs:
             seqs = [s for s, _ in jobs]
             try:
-                rows = [r for _, r in jobs]
-                in_order = rows == list(range(logits.shape[0]))  # the common case: no copy needed
-                selected = logits if in_order else logits.index_select(0, torch.tensor(rows, device=logits.device))
+                job_rows = [r for _, r in jobs]
+                in_order = job_rows == list(range(logits.shape[0]))  # the common case: no copy needed
+                selected = logits if in_order else logits.index_select(0, torch.tensor(job_rows, device=logits.device))
                 tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
                 logprobs = self._logprobs(selected, tokens, seqs)
             except Exception as exc:  # batched sampling failed: fail exactly the requests it served
@@ -302,6 +302,7 @@ class LLMEngine:
                 for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
             )
         for seq, rows in verifications:
+            assert self.speculator is not None  # only a speculator puts draft tokens up for verification
             try:
                 emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
             except Exception as exc:
@@ -328,6 +329,7 @@ class LLMEngine:
                 logger.exception("request %s failed while processing its output", request.request_id)
                 self._fail(request, exc)
         if verifications:
+            assert self.speculator is not None
             self.speculator.stats.steps += 1
             self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
         return [self._output_of(request) for request in touched.values()]

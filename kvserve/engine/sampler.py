@@ -75,7 +75,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) 
     result = []
     for row, token in enumerate(tokens):
         top = []
-        if num_top[row] and top_ids is not None:
+        if num_top[row] and top_ids is not None and top_values is not None:
             top = list(
                 zip(
                     top_ids[row, : num_top[row]].tolist(),

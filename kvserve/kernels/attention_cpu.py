@@ -45,9 +45,9 @@ def cpu_attention(
             n <= DECODE_MAX_QUERY_LEN or s <= longest
             for n, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
         ]
-        on_kernel = [i for i, takes in enumerate(kernel_takes) if takes]
+        kernel_rows = [i for i, takes in enumerate(kernel_takes) if takes]
         on_sdpa = [i for i, takes in enumerate(kernel_takes) if not takes]
-        plan = meta.plans["cpu"] = (torch.tensor(on_kernel, dtype=torch.int64), on_sdpa)
+        plan = meta.plans["cpu"] = (torch.tensor(kernel_rows, dtype=torch.int64), on_sdpa)
     on_kernel, on_sdpa = plan
     if len(on_kernel):
         kernels.decode_attention(

@@ -96,8 +96,9 @@ class LlamaModel:
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)
         ]
         projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
-        all_tiled = all(isinstance(p, KernelLinear) and p.tiles is not None for layer in projections for p in layer)
-        self.decode_layer_tiles = [[p.tiles for p in layer] for layer in projections] if all_tiled else None
+        tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
+        all_tiled = all(t is not None for layer in tiles for t in layer)
+        self.decode_layer_tiles = tiles if all_tiled else None
         self.compiled_decode_max_rows = (
             0 if self.decode_kernels is None else AMX_MAX_ROWS if all_tiled else self.decode_kernels.GEMV_MAX_ROWS
         )
@@ -140,6 +141,7 @@ class LlamaModel:
         kernels = self.decode_kernels
         if (
             compiled_decode
+            and kernels is not None
             and t <= self.compiled_decode_max_rows
             and max(meta.query_lens_host) <= DECODE_MAX_QUERY_LEN  # every row on the decode kernel
         ):

@@ -97,7 +97,7 @@ class RequestStream:
 
 
 def deliver_threadsafe(
-    loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, RequestOutput | BaseException]]
+    loop: asyncio.AbstractEventLoop, items: Sequence[tuple[RequestStream, RequestOutput | BaseException]]
 ) -> None:
     """Hand items to streams living on `loop` with one wake-up of that loop, however many there are
     (one call_soon_threadsafe per output woke the loop once per request per step)."""
@@ -107,7 +107,7 @@ def deliver_threadsafe(
         pass
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+def _put_all(items: Sequence[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
         stream.put_nowait(item)
 

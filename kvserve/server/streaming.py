@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -39,7 +39,7 @@ class ChoiceDelta:
 
 
 class Flavor(Protocol):
-    def prepare(self, body: BaseModel) -> tuple[list[Prompt], SamplingParams]: ...
+    def prepare(self, body: Any) -> tuple[list[Prompt], SamplingParams]: ...
 
     def response(self, meta: ResponseMeta, outputs: list[RequestOutput], usage: Usage) -> BaseModel: ...
 
