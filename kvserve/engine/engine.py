@@ -65,9 +65,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def bf16_pays_on_cpu() -> bool:
     """Whether bf16 runs at least as fast as float32 here. With native support (AVX512-BF16 / AMX) it is
     faster everywhere. Without it, on AVX2 CPUs, kvserve's GEMV decodes batch 1 reading half the bytes
-    and oneDNN multiplies batches over the weights widened to float32, at float32's speed. Measured on a
-    2-core Zen 3 (benchmarks/RESULTS.md): batch-1 TPOT 22.8 vs 56.5 ms, offline 64 x 128/128 153.0 vs
-    152.4 tok/s, and bf16 halves the KV cache."""
+    and oneDNN multiplies batches over the weights widened to float32, at float32's speed; bf16 also
+    halves the KV cache. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules"."""
     if torch.backends.mkldnn.is_available() and _cpu_has_bf16():
         return True
     return linear.gemv_kernels() is not None and linear.onednn_packing_works(torch.float32)

@@ -9,13 +9,12 @@ Threading invariants:
 - The thread steps while the engine has work and sleeps on a condition variable otherwise (waking every
   IDLE_WAKE_S, so that signal handlers run on an idle main thread).
 
-`kvserve serve` runs the loop on the process's main thread (`run`) and uvicorn beside it: on this
-CPU every short OpenMP parallel region started from a non-main thread runs 1.5-5x slower, as if the
-team's workers slept between regions: oneDNN's 3072x576 bf16 projection at one row 143 vs 236 us,
-kvserve's GEMV 56 vs 144 us, silu_mul at 64 rows 37 vs 208 us (OMP_WAIT_POLICY=passive makes the
-main thread as slow; OMP_WAIT_POLICY=active and GOMP_SPINCOUNT do not help the other thread). A
-served decode step took 27.6 ms on a thread against 17.5 ms offline. Embedders (tests, Ray
-replicas) may still `start` a thread.
+`kvserve serve` runs the loop on the process's main thread (`run`) and uvicorn beside it: every short
+OpenMP parallel region started from a non-main thread runs several times slower, as if the team's
+workers slept between regions (OMP_WAIT_POLICY=passive makes the main thread as slow;
+OMP_WAIT_POLICY=active and GOMP_SPINCOUNT do not help the other thread), and a served decode step with
+it. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
+Embedders (tests, Ray replicas) may still `start` a thread.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 // Row-wise argmax of float32 or bf16 logits: the greedy sampler's whole work each step.
 //
-// torch.max(dim=-1) reads 100 rows of SmolLM2's 49,152 bf16 logits in ~3.7 ms here (~2.6 GB/s, and only
-// after a 2 ms widening copy to float32); this reads the bf16 rows as they are, at memory speed.
+// torch.max(dim=-1) reads bf16 logits far below memory speed, and only after a widening copy to float32;
+// this reads the bf16 rows as they are, at memory speed
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 // Same answer as torch.max(dim=-1).indices: the first maximal index, and a NaN counts as the maximum
 // (the first NaN wins).
 #include "common.h"

@@ -71,10 +71,10 @@ inline uint16_t from_float<uint16_t>(float x) {
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
-// Flush-to-zero and denormals-are-zero for the current thread while a kernel runs, restored after.
-// Measured: silu_mul over 64 x 1536 floats took 360 us with denormal handling on and 44 us with it
-// off, on this CPU (microcode assists on the masked vector paths). Values below 1e-38 do not matter
-// to any result here.
+// Flush-to-zero and denormals-are-zero for the current thread while a kernel runs, restored after:
+// denormal handling costs microcode assists on the masked vector paths, several times the kernel's
+// time (figures: benchmarks/RESULTS.md, "Figures behind the code's rules"). Values below 1e-38 do not
+// matter to any result here.
 class FlushDenormals {
  public:
   FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }  // FTZ (bit 15) | DAZ (bit 6)

@@ -110,8 +110,8 @@ constexpr int64_t kLanes = 16;
 inline int64_t padded_width(int64_t dim) { return (dim + kLanes - 1) / kLanes * kLanes; }
 
 // Prefetches of the next tile asked for after V's regrouping and before each head's rows (PacedPrefetch);
-// the rest after the tile's last head. Per 30 layers against all of them at once, 100 x 1/190 bf16: 16 ->
-// 24 % faster, 32 -> 23 %, 64 -> 17 %; 1 x 1/1,024: 16 -> 11 %, 32 -> 1 %; float32 caches: 13-15 %.
+// the rest after the tile's last head. 16 was the best batch size measured
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kPrefetchBatch = 16;
 
 // row_acc[:Parts * lanes] = row_acc * alpha + sum_j p[j] v[j][:Parts * lanes] over `visible` keys
@@ -133,7 +133,7 @@ inline void accumulate_slice(const float* __restrict p, float alpha, int64_t vis
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
 // float32 [kTile, width]. The products are fused into the sums (one rounding, where the file's
 // -ffp-contract=off would round twice): attention is compared with the float64 oracle within a
-// tolerance, not with a torch op bit for bit, and the fused form was 3-10 % faster per call. A row is
+// tolerance, not with a torch op bit for bit, and the fused form is faster. A row is
 // taken kRowBlock floats at a time, held in registers across the tile's keys: that many floats are
 // independent chains of multiply-adds (8 AVX2 registers), so a key's products need not wait for the
 // previous key's; with one 16-float slice per row at a time, two AVX2 chains each waited on the last.
@@ -185,10 +185,9 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
   const bool bf16_dot = bf16_scores<T>(dim);
   const int64_t width = padded_width(dim);
   // A work item is one sequence and `heads` of its KV heads. Whole sequences (all heads) read each
-  // tile's K/V rows as one contiguous run; with the cache cold, as it is between a step's layers,
-  // that ran ~1.1-1.2x faster than one item per head (median of 10, 100 x 192 and 64 x 1,024 keys).
-  // One head per item only where there are too few sequences to keep every thread busy (batch 1 with
-  // the cache warm: 1.6x faster than one item for the sequence).
+  // tile's K/V rows as one contiguous run, faster with the cache cold, as it is between a step's layers,
+  // than one item per head. One head per item only where there are too few sequences to keep every
+  // thread busy (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
   const int64_t heads = p.num_seqs >= 2 * at::get_num_threads() ? hkv : 1;
   const int64_t items_per_seq = hkv / heads;
   at::parallel_for(0, p.num_seqs * items_per_seq, 1, [=](int64_t begin, int64_t end) {

@@ -69,7 +69,7 @@ inline float softmax_tile(float* __restrict scores, int64_t visible, float scale
 // are computed: cache blocks lie anywhere, so the hardware prefetcher loses the stream at every block
 // boundary. Why a few at a time: a core has ~16 line-fill buffers, and the 128-384 prefetches of a tile
 // asked for at once held the core until most of them had been sent, so the kernel's memory reads and its
-// arithmetic ran one after the other (AMX decode at 100 x 1/190: 30.8 -> 25.8 ms per 30 layers once paced).
+// arithmetic ran one after the other (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 template <typename T>
 class PacedPrefetch {
  public:

@@ -16,7 +16,7 @@
 //
 // Why the output stays in tile registers: AMX tiles are not renamed, so storing the output after
 // every step and rescaling it (as the vector kernel does) serializes the whole step on the
-// products' latency; that version was only 1.1x faster than the AVX-512 kernel. Here the output tiles
+// products' latency; that version was barely faster than the AVX-512 kernel. Here the output tiles
 // accumulate across steps, and the softmax is rescaled lazily: each row's exponentials are taken
 // against a reference max m that moves only when a step's max exceeds it by more than kRescaleAbove
 // (then the output tiles are stored, scaled and reloaded, rarely after the first steps). Every
@@ -47,8 +47,8 @@ constexpr float kRescaleAbove = 8.f;  // natural-log units: probabilities stay <
 // fewer rows (a decode step's 3 per KV head) go row by row, where the cost is per row.
 constexpr int64_t kRowsForSoftmaxAcrossRows = 8;
 // Prefetches asked for at each of six points through a decode step (PacedPrefetch, decode_attention.h),
-// the rest after its last product. Decode attention at 100 x 1/190, per 30 layers, against all of a
-// half's prefetches at once: batches of 8, 12, 16, 20 and 32 ran 10.9, 14.2, 15.0, 14.0 and 11.3 % faster.
+// the rest after its last product. 16 was the best batch size measured
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kPrefetchBatch = 16;
 
 // Tile registers, all 16 rows x 64 bytes. Macros, not constants: GCC's _tile_* intrinsics paste the
@@ -283,7 +283,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
         const int64_t rows = std::min(kChunkRows, head_rows - first_row);
         // Prefetching: an item's first chunk reads its keys from memory, so while each step computes it asks
         // for the next step's K/V (PacedPrefetch). Later chunks of the item (prefill) find them in cache and
-        // ask for nothing: prefetching there cost them 8-14 %. The item's last step asks for the first step
+        // ask for nothing: prefetching there only slowed them. The item's last step asks for the first step
         // of the next item.
         const bool first_chunk = first_row == 0, last_chunk = first_row + kChunkRows >= head_rows;
         std::fill(std::begin(query_t), std::end(query_t), 0u);

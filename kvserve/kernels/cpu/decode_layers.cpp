@@ -1,7 +1,8 @@
 // All decoder layers of a decode step, in one call.
 //
-// At batch 1 the layer loop in Python (kvserve/model/llama.py, LlamaModel.forward) cost ~3 ms of a
-// ~17 ms step in interpreter and dispatch overhead around ~210 kernel calls. This is the same loop,
+// At batch 1 the layer loop in Python (kvserve/model/llama.py, LlamaModel.forward) spends a good part of
+// a step in interpreter and dispatch overhead around ~210 kernel calls (figures:
+// benchmarks/RESULTS.md, "Figures behind the code's rules"). This is the same loop,
 // calling the same kernels in the same order (so its result is bit-identical), from C++. It runs
 // only where every linear is a bf16 KernelLinear (kvserve/model/linear.py) and every sequence takes
 // the decode attention kernel: up to kGemvMaxRows rows on the GEMV, more (batched decode, up to
