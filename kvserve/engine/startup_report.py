@@ -11,7 +11,6 @@ import json
 import math
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +19,7 @@ import torch
 
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
-from kvserve.model.registry import ModelSource, resolve
+from kvserve.model.registry import load_model, resolve
 
 if TYPE_CHECKING:
     from kvserve.engine.engine import LLMEngine
@@ -44,14 +43,16 @@ class StartupReport:
 def engine_report(engine: LLMEngine) -> StartupReport:
     config, model_config = engine.config, engine.model.config
     source = resolve(config.model)
+    loaded = load_model(config.model)  # cached per process: the engine's own load, not a second one
     report = StartupReport()
     report.add("model", f"{engine.model_name} ({source.path})")
     report.add(
         "family",
-        f"{model_family(source)}: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
+        f"{loaded.architecture}: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
         f"{model_config.num_heads} heads / {model_config.num_kv_heads} KV heads, vocab {model_config.vocab_size}",
     )
-    report.add("weights", weights_format(source))
+    types = ", ".join(f"{name} x {count}" for name, count in loaded.tensor_types.items())
+    report.add("weights", f"{source.kind}: {types}")
     report.add("dtype", f"{str(engine.dtype).removeprefix('torch.')} (--dtype {config.dtype})")
     report.add("device", f"{engine.device}, {torch.get_num_threads()} threads")
     report.add("attention backend", f"{engine.attention_backend} (--attention-backend {config.attention_backend})")
@@ -90,29 +91,3 @@ def time_since_start() -> str:
     """Wall time since the process started, and the CPU time it used (all threads): on a machine shared
     with other work the wall time stretches, the CPU time does not."""
     return f"{process_age_s():.1f} s since the process started ({time.process_time():.1f} s of CPU)"
-
-
-def model_family(source: ModelSource) -> str:
-    """The architecture the checkpoint declares (GGUF general.architecture, config.json model_type)."""
-    if source.kind == "gguf":
-        from kvserve.model.gguf import architecture, open_gguf
-
-        return architecture(open_gguf(source.path))
-    return str(json.loads((source.path / "config.json").read_text()).get("model_type", "llama"))
-
-
-def weights_format(source: ModelSource) -> str:
-    """The checkpoint's file format and its tensors' storage types, most common first."""
-    if source.kind == "gguf":
-        from kvserve.model.gguf import open_gguf
-
-        types = Counter(tensor.tensor_type.name for tensor in open_gguf(source.path).tensors)
-    else:
-        from safetensors import safe_open
-
-        types = Counter[str]()
-        for path in sorted(Path(source.path).glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                types.update(f.get_slice(name).get_dtype() for name in f.keys())
-    counts = ", ".join(f"{name} x {count}" for name, count in types.most_common())
-    return f"{source.kind}: {counts}"
