@@ -66,9 +66,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def bf16_pays_on_cpu() -> bool:
     """Whether bf16 runs at least as fast as float32 here. With native support (AVX512-BF16 / AMX) it is
     faster everywhere. Without it, on AVX2 CPUs, kvserve's GEMV decodes batch 1 reading half the bytes
-    and oneDNN multiplies batches over the weights widened to float32, at float32's speed. Measured on a
-    2-core Zen 3 (benchmarks/RESULTS.md): batch-1 TPOT 22.8 vs 56.5 ms, offline 64 x 128/128 153.0 vs
-    152.4 tok/s, and bf16 halves the KV cache."""
+    and oneDNN multiplies batches over the weights widened to float32, at float32's speed; bf16 also
+    halves the KV cache. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules"."""
     if torch.backends.mkldnn.is_available() and _cpu_has_bf16():
         return True
     return linear.gemv_kernels() is not None and linear.onednn_packing_works(torch.float32)
@@ -292,13 +291,13 @@ class LLMEngine:
 
         touched: dict[str, Request] = {}
         accepted: dict[tuple[str, int], int] = {}  # (request id, sample) -> drafts kept, for the trace
-        emissions: list[tuple[Sequence, list[int], list]] = []
+        emissions: list[tuple[Sequence, list[int], list | None]] = []
         if jobs:
             seqs = [s for s, _ in jobs]
             try:
-                rows = [r for _, r in jobs]
-                in_order = rows == list(range(logits.shape[0]))  # the common case: no copy needed
-                selected = logits if in_order else logits.index_select(0, torch.tensor(rows, device=logits.device))
+                job_rows = [r for _, r in jobs]
+                in_order = job_rows == list(range(logits.shape[0]))  # the common case: no copy needed
+                selected = logits if in_order else logits.index_select(0, torch.tensor(job_rows, device=logits.device))
                 tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
                 logprobs = self._logprobs(selected, tokens, seqs)
             except Exception as exc:  # batched sampling failed: fail exactly the requests it served
@@ -309,6 +308,7 @@ class LLMEngine:
                 for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
             )
         for seq, rows in verifications:
+            assert self.speculator is not None  # only a speculator puts draft tokens up for verification
             try:
                 emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
             except Exception as exc:
@@ -336,6 +336,7 @@ class LLMEngine:
                 logger.exception("request %s failed while processing its output", request.request_id)
                 self._fail(request, exc)
         if verifications:
+            assert self.speculator is not None
             self.speculator.stats.steps += 1
             self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
         if trace is not None:

@@ -3,10 +3,10 @@
 glibc's malloc gives a block above its mmap threshold (128 KiB at first, then the size of the largest
 mmap'd block freed so far) fresh pages from mmap() and unmaps them on free; it also returns the top of
 the heap once more than the trim threshold of it is free. A prefill step's activations are tens of MB a
-layer, so on a fresh engine they kept arriving as new pages: ~95,000 minor page faults per 2,048-token
-step, 516-596 ms a step against 404-442 ms once the thresholds had drifted up (100 x 128-token prompts,
-bf16, 2 cores). Served, it fell on the first run a fresh `kvserve serve` took. With both thresholds
-fixed: 407-459 ms from the first step, and no faults after it.
+layer, so on a fresh engine they kept arriving as new pages, tens of thousands of minor page faults a
+step, and prefill steps ran markedly slower until the thresholds had drifted up; served, that fell on
+the first run a fresh `kvserve serve` took. With both thresholds fixed, steps run at full speed from the
+first one, with no faults after it. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 
 The price is that the process keeps its peak heap, as a server that sizes its memory up front expects.
 Loading is the exception: it frees copies of the weights (float32 from the checkpoint, the copies moved onto

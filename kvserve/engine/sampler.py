@@ -15,9 +15,9 @@ from kvserve.kernels import cpu
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax: the first maximal index (a NaN counts as the maximum), in any float dtype.
-    On the CPU the compiled kernel (kernels/cpu/argmax_rows.cpp) reads the rows as they are: 100 rows
-    of 49,152 bf16 logits in ~1.4 ms against ~6.5 ms for widening them and torch's max(), with the cache
-    cold. Elsewhere max() over a dim, which is also first-maximal and 2.5x faster than argmax()."""
+    On the CPU the compiled kernel (kernels/cpu/argmax_rows.cpp) reads the rows as they are, without
+    widening them first. Elsewhere max() over a dim, which is also first-maximal and faster than argmax()
+    (figures: benchmarks/RESULTS.md, "Figures behind the code's rules")."""
     kernels = cpu.load() if logits.device.type == "cpu" else None
     if kernels is not None:
         return kernels.argmax_rows(logits)
@@ -75,7 +75,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) 
     result = []
     for row, token in enumerate(tokens):
         top = []
-        if num_top[row] and top_ids is not None:
+        if num_top[row] and top_ids is not None and top_values is not None:
             top = list(
                 zip(
                     top_ids[row, : num_top[row]].tolist(),

@@ -167,11 +167,10 @@ class Scheduler:
         are at most a quarter of a block (or one row).
 
         linear_amx pays for a partial last block of rows as for a full one, so 100 one-token decodes
-        cost a step as long as 128 would. Offline, bf16, decode steps at ~130-190 keys per sequence on
-        the 2-core AMX Xeon, tok/s per step: 96 rows 1,469 / 100 rows 1,383; 128 / 132: 1,473 / 1,369;
-        160 / 164: 1,569 / 1,495; 32 / 36: 1,064 / 969; with 8 past the block 2-7 % lower than at it; with
-        12 or 16 past it between 3 % lower and 3 % higher (96 / 108 / 112: 1,521 / 1,471 / 1,542; 32 / 44 /
-        48: 1,096 / 1,126 / 1,155), so a quarter of a block is where leaving rows out stops paying.
+        cost a step as long as 128 would. Measured, a step with a few rows past a whole block gives fewer
+        tokens per second than the step at the block; past a quarter of a block the difference is within
+        the noise, so a quarter of a block is where leaving rows out stops paying (figures:
+        benchmarks/RESULTS.md, "Figures behind the code's rules").
         Leaving the last few sequences out makes every sequence faster, the ones left out included
         (each waits one step in every rows / tail). Which ones rotates: those left out least recently
         (never: first), the newest arrivals first among equals. A sequence still waiting for its first

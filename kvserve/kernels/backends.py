@@ -23,13 +23,10 @@ def triton_available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-# Total keys in a batch (sum of seq_lens) from which the tiled kernel beats torch SDPA on the CPU.
-# Measured with benchmarks/attention.py (bf16, 2 threads, SmolLM2-135M heads, ms per layer call,
-# tiled vs sdpa): decode 16x1024 (16k keys) 3.3 vs 1.8; decode 64x1024 (64k) 13.5 vs 23.0; 256x512
-# (128k) 31.9 vs 44.6; 256x2048 119.9 vs 179.2 at 33 vs 390 MiB peak; 128 mixed lengths 31.6 vs 82.3;
-# prefill 1024 18.9 vs 3.3, 4096 193 vs 38. End to end, 64 requests of 128/128 tokens (<= 16k keys per
-# step) run at 479 output tok/s with sdpa and 406 with tiled. So: small batches, short contexts and
-# prefill go to SDPA; large decode batches over long contexts go to the tiled kernel.
+# Total keys in a batch (sum of seq_lens) from which the tiled kernel beats torch SDPA on the CPU
+# (benchmarks/attention.py): small batches, short contexts and prefill go to SDPA; large decode batches
+# over long contexts go to the tiled kernel, which also needs far less memory there. Figures:
+# benchmarks/RESULTS.md, "Figures behind the code's rules".
 TILED_FROM_TOTAL_KEYS = 32_768
 
 

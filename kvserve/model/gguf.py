@@ -16,6 +16,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.progress import progress
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -51,6 +52,10 @@ def _field_value(reader: GGUFReader, key: str) -> Any:
     if field.types and field.types[0] == GGUFValueType.ARRAY:
         return list(field.contents())
     return field.contents()
+
+
+def architecture(reader: GGUFReader) -> str:
+    return str(_field_value(reader, "general.architecture"))
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -102,7 +107,7 @@ def read_config(reader: GGUFReader) -> ModelConfig:
 def read_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to float32, under its HF name, in HF's [out, in] layout."""
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in progress(reader.tensors, "dequantizing weights", "tensor"):
         # GGUF lists dimensions innermost first; dequantize returns the row-major (numpy) shape.
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape([int(d) for d in reversed(tensor.shape)])

@@ -28,6 +28,7 @@ from kvserve.model.linear import (
     make_gated_up,
     make_linear,
 )
+from kvserve.model.progress import progress
 from kvserve.model.weights import ModelWeights
 
 
@@ -76,7 +77,7 @@ class LlamaModel:
                 gated_up=make_gated_up(layer.gate_up_proj, self.ops.silu_mul),
                 down_proj=make_linear(layer.down_proj),
             )
-            for layer in self.weights.layers
+            for layer in progress(self.weights.layers, "packing weights", "layer")
         ]
         self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
         if device.type == "cpu":
@@ -95,8 +96,9 @@ class LlamaModel:
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)
         ]
         projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
-        all_tiled = all(isinstance(p, KernelLinear) and p.tiles is not None for layer in projections for p in layer)
-        self.decode_layer_tiles = [[p.tiles for p in layer] for layer in projections] if all_tiled else None
+        tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
+        all_tiled = all(t is not None for layer in tiles for t in layer)
+        self.decode_layer_tiles = tiles if all_tiled else None
         self.compiled_decode_max_rows = (
             0 if self.decode_kernels is None else AMX_MAX_ROWS if all_tiled else self.decode_kernels.GEMV_MAX_ROWS
         )
@@ -139,6 +141,7 @@ class LlamaModel:
         kernels = self.decode_kernels
         if (
             compiled_decode
+            and kernels is not None
             and t <= self.compiled_decode_max_rows
             and max(meta.query_lens_host) <= DECODE_MAX_QUERY_LEN  # every row on the decode kernel
         ):
@@ -170,5 +173,5 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the given rows only (callers select the rows they sample from), in the model dtype:
         the LM head's own output, which the sampler widens to float32 only where it computes with it
-        (a greedy step reads the bf16 rows as they are; widening 100 rows cost 2 ms a step)."""
+        (a greedy step reads the bf16 rows as they are; widening them would cost a copy every step)."""
         return self.lm_head(hidden)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf import open_gguf, read_config, read_tensors, read_tokenizer_data
+from kvserve.model.gguf import architecture, open_gguf, read_config, read_tensors, read_tokenizer_data
 from kvserve.model.hf import read_hf_config, read_hf_tensors
 from kvserve.model.tokenizer import TokenizerWrapper
 from kvserve.model.weights import ModelWeights
@@ -42,6 +43,10 @@ class LoadedModel:
     weights: ModelWeights  # float32 on the CPU; the runner casts and moves them
     tokenizer: TokenizerWrapper
     weights_id: str  # content hash of the weight files
+    # What the checkpoint declares (GGUF general.architecture, config.json model_type), and how many of its
+    # tensors each storage type holds (GGUF quantization types, safetensors dtypes): for the startup report.
+    architecture: str
+    tensor_types: dict[str, int]
 
 
 def bundled_gguf_path(name: str = DEFAULT_MODEL) -> Path:
@@ -87,13 +92,20 @@ def _load(path: Path, kind: str, name: str) -> LoadedModel:
         tensors = read_tensors(reader, config)
         tokenizer = TokenizerWrapper.from_gguf(read_tokenizer_data(reader))
         files = [path]
+        architecture_name = architecture(reader)
+        tensor_types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     else:
         config, raw = read_hf_config(path)
-        tensors = {k: v.to(torch.float32) for k, v in read_hf_tensors(path).items()}
+        stored = read_hf_tensors(path)
+        tensor_types = Counter(str(tensor.dtype).removeprefix("torch.") for tensor in stored.values())
+        tensors = {k: v.to(torch.float32) for k, v in stored.items()}
         tokenizer = TokenizerWrapper.from_hf_dir(path, raw)
         files = list(path.glob("*.safetensors"))
+        architecture_name = str(raw.get("model_type", "llama"))
     weights = ModelWeights.from_hf_tensors(tensors, config.num_layers, config.tie_word_embeddings)
-    return LoadedModel(name, config, weights, tokenizer, _file_identity(files))
+    return LoadedModel(
+        name, config, weights, tokenizer, _file_identity(files), architecture_name, dict(tensor_types.most_common())
+    )
 
 
 @functools.cache

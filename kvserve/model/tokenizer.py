@@ -46,7 +46,7 @@ class TokenizerWrapper:
     @classmethod
     def from_gguf(cls, data: GGUFTokenizerData) -> TokenizerWrapper:
         vocab = {token: index for index, token in enumerate(data.tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in data.merges]
+        merges = [(left, right) for left, right in (m.split(" ", 1) for m in data.merges)]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if data.pre_tokenizer in _DIGIT_SPLITTING_PRE_TOKENIZERS:

@@ -22,7 +22,7 @@ class CompletionsFlavor:
         prompt = body.prompt
         # One prompt is a string or a list of ids; anything else is a batch (one choice group per prompt).
         single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
-        prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[list-item]
+        prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[list-item, arg-type]
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
         return prompts, body.sampling_params(max_tokens, body.logprobs)
 

@@ -18,9 +18,13 @@ from kvserve.server.async_engine import Prompt, RequestStream
 
 
 class EngineClient(Protocol):
-    # error: why nothing can be admitted now (None while healthy); draining: shutting down.
-    error: str | None
+    # draining: shutting down.
     draining: bool
+
+    @property
+    def error(self) -> str | None:
+        """Why nothing can be admitted now (None while healthy)."""
+        ...
 
     # Read-only facts of the served model, used for request validation and response shaping.
     @property

@@ -74,7 +74,7 @@ class _SamplingFields(BaseModel):
             top_p=self.top_p,
             top_k=self.top_k,
             seed=self.seed,
-            stop=self.stop or [],
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )

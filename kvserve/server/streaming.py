@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -41,7 +41,7 @@ class ChoiceDelta:
 
 
 class Flavor(Protocol):
-    def prepare(self, body: BaseModel) -> tuple[list[Prompt], SamplingParams]: ...
+    def prepare(self, body: Any) -> tuple[list[Prompt], SamplingParams]: ...
 
     def response(self, meta: ResponseMeta, outputs: list[RequestOutput], usage: Usage) -> BaseModel: ...
 

@@ -126,6 +126,7 @@ class Speculator:
             return [
                 self.ngram.propose(s.token_ids, kk) if kk > 0 else Proposal([]) for s, kk in zip(seqs, ks, strict=True)
             ]
+        assert self.draft is not None  # a speculator has an n-gram proposer or a draft model
         return self.draft.propose(seqs, ks)
 
     # ---- verification ----

@@ -9,12 +9,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "first maximal index of each row (NaN counts as the maximum)");
   m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
-  m.def("set_amx_attention", &set_amx_attention, "allow decode_attention's AMX kernel (default); returns the old value");
+  m.def("set_amx_attention", &set_amx_attention,
+        "allow decode_attention's AMX kernel (default); returns the old value");
   m.def("amx_available", &amx_permitted, "whether the AMX kernels (attention, linear_amx) can run here");
   m.def("amx_attention_applies", &amx_attention_applies, "whether decode_attention runs these q/cache on AMX");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
   m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
-  m.def("decode_layers", &decode_layers, "every decoder layer of a decode step (bf16; GEMV or AMX tile products), final norm applied");
+  m.def("decode_layers", &decode_layers,
+        "every decoder layer of a decode step (bf16; GEMV or AMX tile products), final norm applied");
 }

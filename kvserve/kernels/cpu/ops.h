@@ -22,8 +22,8 @@ bool set_amx_attention(bool enabled);
 // kernel (dtype, head dim and block size allowed, AMX available and enabled). That kernel also takes
 // prefill rows, which the vector kernel is not meant for.
 bool amx_attention_applies(at::Tensor q, at::Tensor k_cache);
-// The most rows of x gemv_bf16 takes. Measured against oneDNN's packed kernels here: 3-4x faster at
-// one row on the layer shapes, ~1.5x at two, even at four (the weight is no longer the only cost).
+// The most rows of x gemv_bf16 takes: past two rows oneDNN's packed kernels are as fast (the weight is
+// no longer the only cost; figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
@@ -31,9 +31,9 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
 // `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved).
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
-at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles, at::Tensor final_norm, double eps,
-                         at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
-                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids,
-                         double scale, int64_t hq, int64_t hkv);
+at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
+                         at::Tensor final_norm, double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                         at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                         at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq, int64_t hkv);
 
 }  // namespace kvserve
