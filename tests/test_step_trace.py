@@ -28,8 +28,8 @@ def test_ring_keeps_the_newest_records_only() -> None:
     assert trace.last_index == 0 and trace.since(0) == []
     for i in range(1, 11):
         trace.append(fake_record(i))
-    assert [r.index for r in trace.since(0)] == [8, 9, 10]
-    assert [r.index for r in trace.since(9)] == [10]
+    assert [r.step for r in trace.since(0)] == [8, 9, 10]
+    assert [r.step for r in trace.since(9)] == [10]
     assert trace.since(10) == [] and trace.last_index == 10
     with pytest.raises(ValueError, match="capacity"):
         StepTrace(capacity=0)
@@ -62,7 +62,7 @@ def test_records_say_what_each_step_did(engine: LLMEngine) -> None:
         engine.step_trace = None
     outputs.update(again)
     records = trace.since(0)
-    assert [r.index for r in records] == list(range(1, engine.counters.steps + 1))
+    assert [r.step for r in records] == list(range(1, engine.counters.steps + 1))
     for r in records:
         assert r.num_tokens == sum(s.prefill_tokens + s.decode_tokens for s in r.seqs) <= BUDGET
         assert all((s.prefill_tokens > 0) != (s.decode_tokens > 0) for s in r.seqs)

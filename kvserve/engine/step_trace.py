@@ -44,7 +44,7 @@ class FinishedRequest(NamedTuple):
 
 
 class StepRecord(NamedTuple):
-    index: int  # the engine's step counter after this step (1 for the first)
+    step: int  # the engine's step counter after this step (1 for the first)
     wall_time: float  # time.time() when the step began
     duration_s: float  # scheduling, forward pass, sampling and output processing
     seqs: tuple[SeqWork, ...]  # in batch order; len() is the batch size
@@ -107,7 +107,7 @@ class StepTrace:
         seqs = tuple(SeqWork(rid, i, p, d, accepted.get((rid, i), 0)) for rid, i, p, d in work)
         self._records.append(
             StepRecord(
-                index=engine.counters.steps,
+                step=engine.counters.steps,
                 wall_time=began_wall,
                 duration_s=time.perf_counter() - began,
                 seqs=seqs,
@@ -131,13 +131,13 @@ class StepTrace:
     def last_index(self) -> int:
         """The newest recorded step's index, 0 before any."""
         records = self._records
-        return records[-1].index if records else 0
+        return records[-1].step if records else 0
 
     def since(self, index: int) -> list[StepRecord]:
         """The records of steps after `index`, oldest first (those still in the ring)."""
         records = self._records.copy()
         newer: list[StepRecord] = []
-        while records and records[-1].index > index:
+        while records and records[-1].step > index:
             newer.append(records.pop())
         newer.reverse()
         return newer

@@ -55,7 +55,7 @@ def short_id(request_id: str) -> str:
 def step_json(record: StepRecord) -> dict[str, Any]:
     """One step as the page reads it (keys documented in docs/web-ui.md)."""
     return {
-        "i": record.index,
+        "i": record.step,
         "t": round(record.wall_time * 1000, 1),
         "d": round(record.duration_s * 1000, 3),
         "s": [
@@ -124,7 +124,7 @@ class EngineEvents:
                 if records:
                     dropped = max(len(records) - self.max_steps_per_event, 0)
                     records = records[dropped:]
-                    last_index = records[-1].index
+                    last_index = records[-1].step
                     stats = self.stats()
                     payload = {
                         "steps": [step_json(r) for r in records],
