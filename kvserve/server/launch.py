@@ -19,6 +19,8 @@ import uvicorn
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.http_protocol import limited_headers_protocol
+from kvserve.server.limits import ServerLimits
 from kvserve.server.openai_api import build_app
 
 logger = logging.getLogger(__name__)
@@ -63,11 +65,20 @@ def serve(
     served_model_name: str | None = None,
     drain_timeout_s: float = 30.0,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
 ) -> None:
     """The engine loop on this (main) thread, uvicorn on another: see async_engine.py for why."""
+    limits = limits or ServerLimits()
     async_engine = AsyncEngine(LLMEngine(config))
-    app = build_app(async_engine, api_key, served_model_name)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = build_app(async_engine, api_key, served_model_name, limits=limits)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        http=limited_headers_protocol(limits.header_timeout_s, limits.max_header_bytes),
+    )
     server = DrainingServer(uv_config, async_engine, drain_timeout_s)
     # uvicorn installs its signal handlers only on the main thread, which the engine holds here.
     for sig in (signal.SIGINT, signal.SIGTERM):
