@@ -72,7 +72,8 @@ def add_server_limit_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", help=f.metadata["help"])
             continue
         kind = float if "float" in f.type else int
-        parser.add_argument(flag, type=kind, default=f.default, help=f"{f.metadata['help']} (default: {f.default})")
+        help_ = f.metadata["help"] if f.default is None else f"{f.metadata['help']} (default: {f.default})"
+        parser.add_argument(flag, type=kind, default=f.default, help=help_)
 
 
 def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
@@ -122,8 +123,8 @@ class RequestLimits:
         if num_prompts * body.n > limits.max_choices:
             raise FieldError(
                 "n",
-                f"{num_prompts} prompts x n={body.n} asks for {num_prompts * body.n} choices; "
-                f"at most {limits.max_choices} are allowed (--max-choices)",
+                f"n must be at most {limits.max_choices // num_prompts} with {num_prompts} prompt(s), got {body.n}: "
+                f"prompts x n is at most {limits.max_choices} (--max-choices)",
             )
 
     def _check_messages(self, body: ChatCompletionRequest) -> None:
