@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvserve.config import ATTENTION_BACKENDS, EngineConfig
+from kvserve.server.limits import add_server_limit_args, server_limits_from_args
 from kvserve.server.routing import POLICIES
 
 
@@ -104,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_ray(args)
     from kvserve.server.launch import serve
 
+    limits = server_limits_from_args(args)
     serve(
         engine_config_from_args(args),
         host=args.host,
@@ -113,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
         web_ui=args.web_ui,
+        limits=limits,
     )
     return 0
 
@@ -200,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--replica-gpus", type=float, default=None, help="GPUs per engine replica (default: 1 where CUDA is visible)"
     )
+    add_server_limit_args(srv.add_argument_group("request limits (single server)"))
     srv.set_defaults(func=_serve)
 
     info = sub.add_parser(
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError's message names the file (missing, unreadable, ...)
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -122,6 +122,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             return_freed_memory()  # the load's copies of the weights: host_memory.py
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        # The most tokens (prompt + output) one sequence can hold: the context, and the whole KV pool.
+        self.max_sequence_len = min(self.max_model_len, num_blocks * block_size)
         # Decode-only steps have at most max_num_seqs rows (without drafts, which turn row blocks off): past
         # AMX_MAX_ROWS they leave linear_amx, and its row blocks stop mattering.
         row_block = self.model.product_row_block if config.max_num_seqs <= linear.AMX_MAX_ROWS else None

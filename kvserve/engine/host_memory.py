@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -63,3 +64,34 @@ def return_freed_memory() -> bool:
         return False
     malloc_trim(0)
     return True
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc >= 2.33): every field a size_t."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes malloc holds free in all its arenas (mallinfo2's fordblks), or None without glibc >= 2.33."""
+    mallinfo2 = _glibc_function("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2  # type: ignore[attr-defined]
+    info: Any = mallinfo2()
+    return int(info.fordblks)
+
+
+def return_freed_memory_beyond(retained_bytes: int) -> bool:
+    """Hand freed heap back to the kernel when malloc holds more than retained_bytes of it; True if it did.
+
+    keep_freed_memory keeps what a step frees for the next step; a rare outlier (a huge request body, its
+    tokenization) would otherwise leave the process at its peak for good. Where the free total cannot be
+    read, the heap is trimmed."""
+    free = free_heap_bytes()
+    if free is not None and free <= retained_bytes:
+        return False
+    return return_freed_memory()

@@ -63,12 +63,18 @@ class SamplingParams:
         ]
         for name, ok, expected in checks:
             if not ok:
-                raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be {expected}, got {short_repr(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
         # Below this, logits / temperature overflows float32; the distribution is one-hot anyway (as vLLM).
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """repr(value), cut to about limit characters: an error message never echoes a huge value back."""
+    text = repr(value) if not isinstance(value, list | tuple | dict) or len(value) <= limit else type(value).__name__
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_number(value: object) -> bool:

@@ -20,6 +20,7 @@ import torch
 
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.stop_matcher import StopMatcher, failure_table
 from kvserve.model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
 
 
@@ -53,6 +54,8 @@ class Sequence:
     stop_reason: str | int | None = None
     # Length of detokenizer.text that is safe to show: never a stop string or a prefix of one.
     visible_text_len: int = 0
+    # Where matching of the stop strings stands (created at the first output token when there are stops).
+    stop_matcher: StopMatcher | None = None
     # Draft tokens proposed for this step; verified (and dropped) within the same step.
     spec_tokens: list[int] = field(default_factory=list)
     num_preemptions: int = 0
@@ -120,6 +123,8 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    # KMP tables of params.stop, built once for all n samples (at the first output token).
+    stop_tables: list[list[int]] | None = None
 
     def new_sequence(self, index: int) -> Sequence:
         generator = torch.Generator(device="cpu")
@@ -137,6 +142,11 @@ class Request:
         )
         self.sequences.append(seq)
         return seq
+
+    def new_stop_matcher(self) -> StopMatcher:
+        if self.stop_tables is None:
+            self.stop_tables = [failure_table(stop) for stop in self.params.stop]
+        return StopMatcher(self.params.stop, self.stop_tables)
 
     @property
     def finished(self) -> bool:

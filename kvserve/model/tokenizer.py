@@ -7,6 +7,8 @@ the ids gives exactly the suffix of the text once the bytes form complete UTF-8 
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,6 +43,12 @@ class TokenizerWrapper:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # Tokens that end a turn besides EOS (e.g. <|im_end|> for ChatML templates).
         self.stop_token_ids = sorted({t for t in (eos_token_id, *extra_stop_token_ids) if t is not None})
+        # The same tokenizer with special-token parsing off: "<|im_start|>" in user text is plain text.
+        self._tok_plain = Tokenizer.from_str(tokenizer.to_str())
+        self._tok_plain.encode_special_tokens = True
+        added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len, reverse=True)
+        self._added_token_pattern = re.compile("|".join(map(re.escape, added))) if added else None
+        self._max_token_bytes: int | None = None
 
     # ---- construction ----
     @classmethod
@@ -103,7 +111,8 @@ class TokenizerWrapper:
 
     # ---- text ----
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a long text then stalls no other thread.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
@@ -125,9 +134,69 @@ class TokenizerWrapper:
             strftime_now=lambda fmt: datetime.now().strftime(fmt),
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        # The template writes any special tokens itself, so none are added on top.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], special_tokens_in_content: bool = False) -> list[int]:
+        """The rendered conversation's ids. The template writes any special tokens itself, so none are added
+        on top. Control strings inside message content stay plain text unless special_tokens_in_content:
+        otherwise one user message could forge a system or assistant turn.
+
+        Each content string is rendered between random sentinels; the rendered text is then split at the
+        added tokens found outside the sentinels only, and the text between two such tokens is encoded
+        with special-token parsing off. For content without control strings the ids are exactly those of
+        encoding the whole rendered text (the tokenizer, too, encodes the text between added tokens on its own).
+        """
+        if special_tokens_in_content:
+            return self.encode(self.apply_chat_template(messages))
+        nonce = secrets.token_hex(16)
+        start, end = f"\x00{nonce}[", f"]{nonce}\x00"
+        wrapped = [
+            {**m, "content": f"{start}{m['content']}{end}"} if isinstance(m.get("content"), str) else m
+            for m in messages
+        ]
+        rendered = self.apply_chat_template(wrapped)
+        texts: list[str] = []  # text runs between the template's added tokens
+        ids_between: list[list[int]] = []  # ids of the added tokens after each run
+        run: list[str] = []
+        pos = 0
+        while pos < len(rendered):
+            open_at = rendered.find(start, pos)
+            template_end = len(rendered) if open_at < 0 else open_at
+            for piece, token_id in self._split_added_tokens(rendered[pos:template_end]):
+                run.append(piece)
+                if token_id is not None:
+                    texts.append("".join(run))
+                    ids_between.append([token_id])
+                    run = []
+            if open_at < 0:
+                break
+            close_at = rendered.find(end, open_at)
+            if close_at < 0:
+                raise ValueError("the chat template cut a message's content; it cannot be tokenized safely")
+            run.append(rendered[open_at + len(start) : close_at])
+            pos = close_at + len(end)
+        texts.append("".join(run))
+        ids_between.append([])
+        encoded = self._tok_plain.encode_batch(texts, add_special_tokens=False)
+        return [token for enc, after in zip(encoded, ids_between, strict=True) for token in (*enc.ids, *after)]
+
+    def _split_added_tokens(self, text: str) -> list[tuple[str, int | None]]:
+        """text as (plain text, id of the added token that follows it, or None for the tail)."""
+        if self._added_token_pattern is None:
+            return [(text, None)]
+        pieces: list[tuple[str, int | None]] = []
+        pos = 0
+        for match in self._added_token_pattern.finditer(text):
+            pieces.append((text[pos : match.start()], self._tok.token_to_id(match.group())))
+            pos = match.end()
+        pieces.append((text[pos:], None))
+        return pieces
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token decodes to: a text longer than n times this cannot be n tokens."""
+        if self._max_token_bytes is None:
+            singles = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+            self._max_token_bytes = max(len(text.encode("utf-8", "surrogatepass")) for text in singles)
+        return self._max_token_bytes
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")

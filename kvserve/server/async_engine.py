@@ -180,6 +180,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def max_sequence_len(self) -> int:
+        return self.engine.max_sequence_len
+
+    @property
     def num_in_flight(self) -> int:
         return self._in_flight
 
@@ -199,6 +203,9 @@ class AsyncEngine:
             raise EngineUnavailableError("the server is shutting down")
         if self.error is not None:
             raise EngineUnavailableError(f"the engine loop has failed: {self.error}")
+        if len(prompts) > (queue := self.engine.config.max_waiting_requests):
+            # Not a 429: retrying can never succeed.
+            raise ValueError(f"{len(prompts)} prompts can never be admitted: the waiting queue holds {queue}")
         loop = asyncio.get_running_loop()
         ids = request_ids_of(request_id, len(prompts))
         stream = RequestStream(loop, ids)

@@ -25,24 +25,26 @@ from kvserve.server.streaming import ChoiceDelta, ResponseMeta, choices_of
 
 
 class ChatFlavor:
-    def __init__(self, tokenizer: TokenizerWrapper, max_model_len: int) -> None:
-        # The tokenizer is only read (encode/decode hold no state), so the event loop may use it
-        # while the engine thread does; the LLMEngine itself is never touched here.
+    def __init__(self, tokenizer: TokenizerWrapper, max_sequence_len: int, special_tokens_in_content: bool) -> None:
+        # The tokenizer is only read (encode/decode hold no state), so any thread may use it while the
+        # engine thread does; the LLMEngine itself is never touched here.
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self.max_sequence_len = max_sequence_len
+        self.special_tokens_in_content = special_tokens_in_content
 
     def prepare(self, body: ChatCompletionRequest) -> tuple[list[Prompt], SamplingParams]:
         if not body.messages:
             raise ValueError("messages must not be empty")
         try:
-            prompt_ids = self.tokenizer.encode_chat([m.template_dict() for m in body.messages])
+            messages = [m.template_dict() for m in body.messages]
+            prompt_ids = self.tokenizer.encode_chat(messages, self.special_tokens_in_content)
         except TemplateError as exc:
             raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc
         if body.top_logprobs is not None and not body.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
-        if max_tokens is None:  # OpenAI's default for chat: until the context is full
-            max_tokens = max(self.max_model_len - len(prompt_ids), 1)
+        if max_tokens is None:  # as vLLM: all the room the context and the KV pool leave one sequence
+            max_tokens = max(self.max_sequence_len - len(prompt_ids), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return [prompt_ids], body.sampling_params(max_tokens, logprobs)
 

@@ -8,6 +8,7 @@ from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
 from kvserve.server.async_engine import Prompt
+from kvserve.server.limits import prompts_of
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from kvserve.server.streaming import ChoiceDelta, ResponseMeta, choices_of
 
@@ -19,10 +20,7 @@ class CompletionsFlavor:
         self.tokenizer = tokenizer
 
     def prepare(self, body: CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
-        prompt = body.prompt
-        # One prompt is a string or a list of ids; anything else is a batch (one choice group per prompt).
-        single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
-        prompts: list[Prompt] = [prompt] if single else list(prompt)  # type: ignore[list-item, arg-type]
+        prompts: list[Prompt] = prompts_of(body)
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
         return prompts, body.sampling_params(max_tokens, body.logprobs)
 

@@ -36,6 +36,10 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    @property
+    def max_sequence_len(self) -> int:
+        """The most tokens (prompt + output) one sequence can hold: the context and the KV pool allow."""
+
     async def submit(
         self,
         request_id: str,

@@ -20,6 +20,8 @@ from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.startup_report import StartupReport, engine_report, time_since_start
 from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.http_protocol import limited_headers_protocol
+from kvserve.server.limits import ServerLimits
 from kvserve.server.openai_api import build_app
 
 logger = logging.getLogger(__name__)
@@ -76,15 +78,24 @@ def serve(
     drain_timeout_s: float = 30.0,
     log_level: str = "info",
     web_ui: bool = True,
+    limits: ServerLimits | None = None,
 ) -> None:
     """The engine loop on this (main) thread, uvicorn on another: see async_engine.py for why."""
+    limits = limits or ServerLimits()
     log_to_stderr(log_level)
     logger.info("loading %s (device %s, dtype %s)", config.model, config.device, config.dtype)
     engine = LLMEngine(config)
     report = engine_report(engine)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, api_key, served_model_name, web_ui=web_ui)
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = build_app(async_engine, api_key, served_model_name, web_ui=web_ui, limits=limits)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        http=limited_headers_protocol(limits.header_timeout_s, limits.max_header_bytes),
+    )
     server = DrainingServer(uv_config, async_engine, drain_timeout_s, report)
     # uvicorn installs its signal handlers only on the main thread, which the engine holds here.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -41,6 +41,7 @@ class ReplicaInfo:
     model_name: str
     max_model_len: int
     block_size: int
+    max_sequence_len: int
 
 
 class EngineReplica:
@@ -51,7 +52,7 @@ class EngineReplica:
 
     def info(self) -> ReplicaInfo:
         engine = self.async_engine.engine
-        return ReplicaInfo(engine.model_name, engine.max_model_len, engine.config.block_size)
+        return ReplicaInfo(engine.model_name, engine.max_model_len, engine.config.block_size, engine.max_sequence_len)
 
     def stats(self) -> dict[str, Any]:
         return self.async_engine.stats()
