@@ -18,6 +18,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.host_memory import keep_freed_memory, return_freed_memory
+from kvserve.engine.logits_processors import process_logits
 from kvserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.prefix_cache import CacheKey
 from kvserve.engine.runner import KVCache, ModelRunner, spans_of
@@ -162,6 +163,7 @@ class LLMEngine:
             raise ValueError("cache_salt must be a string")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self.validate_lengths(len(prompt_ids), params)
+        self._validate_token_ids(params)
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
         request = Request(
@@ -212,6 +214,12 @@ class LLMEngine:
             raise ValueError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
             )
+
+    def _validate_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} names a token id outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, or None if unknown."""
@@ -292,7 +300,8 @@ class LLMEngine:
                 rows = [r for _, r in jobs]
                 in_order = rows == list(range(logits.shape[0]))  # the common case: no copy needed
                 selected = logits if in_order else logits.index_select(0, torch.tensor(rows, device=logits.device))
-                tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
+                processed = process_logits(selected, seqs, [self._eos_of(s) for s in seqs])
+                tokens = sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs])
                 logprobs = self._logprobs(selected, tokens, seqs)
             except Exception as exc:  # batched sampling failed: fail exactly the requests it served
                 logger.exception("sampling failed")
@@ -356,8 +365,13 @@ class LLMEngine:
         """
         if self.speculator is None:
             return {}
-        # A sequence's first token is never speculated: an n > 1 request forks its samples there.
-        decoding = [s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0]
+        # A sequence's first token is never speculated: an n > 1 request forks its samples there. Nor is a
+        # request whose logits are processed: verification compares drafts with the unprocessed target.
+        decoding = [
+            s
+            for s in self.scheduler.running
+            if not s.in_prefill and s.num_output_tokens > 0 and not s.params.processes_logits
+        ]
         if not decoding:
             return {}
         prefill_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.in_prefill)
@@ -412,14 +426,16 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         self.counters.generated_tokens += 1
-        eos = [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
-        if not append_token(seq, token, eos, self.max_model_len):
+        if not append_token(seq, token, self._eos_of(seq), self.max_model_len):
             return False
         self.scheduler.remove(seq)
         if request.finished:
             request.metrics.finished_time = now
             self.counters.requests_finished += 1
         return True
+
+    def _eos_of(self, seq: Sequence) -> list[int]:
+        return [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         request.error = f"{type(exc).__name__}: {exc}"
