@@ -286,8 +286,10 @@ class LLMEngine:
                 seq.num_computed_tokens += 1  # the fed token; accepted drafts are added on verification
                 verifications.append((seq, logits[row : row + item.num_logits]))
             else:
+                if seq.wants_prompt_logits:
+                    self._record_prompt_logprobs(seq, logits[row : row + item.num_logits])
                 seq.num_computed_tokens += item.num_new_tokens
-                if item.num_logits:
+                if item.num_logits and seq.num_computed_tokens >= seq.num_tokens:
                     jobs.extend(self._sampling_jobs(item, row))
             row += item.num_logits
         self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
@@ -408,6 +410,20 @@ class LLMEngine:
         if len(seq.block_table) > keep:
             self.pool.free_blocks(seq.block_table[keep:])
             del seq.block_table[keep:]
+
+    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """Rows are the logits at positions num_computed_tokens...: row j scores the token after it."""
+        request = seq.request
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # nothing scores the first prompt token
+        start = seq.num_computed_tokens
+        # Positions already recorded (a recomputation after preemption) and the sampling row are skipped.
+        first = len(request.prompt_logprobs) - 1 - start
+        last = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
+        if first < last:
+            targets = seq.token_ids[start + first + 1 : start + last + 1]
+            num_top = [seq.params.prompt_logprobs] * len(targets)
+            request.prompt_logprobs.extend(token_logprobs(rows[first:last], targets, num_top))
 
     def _sampling_jobs(self, item: ScheduledSeq, row: int) -> list[tuple[Sequence, int]]:
         seq = item.seq

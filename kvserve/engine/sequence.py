@@ -84,6 +84,13 @@ class Sequence:
         return self.num_computed_tokens < self.num_tokens - 1
 
     @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and not all computed yet: every prefill row needs its logits,
+        and the prompt is not taken from the prefix cache (a cached position has no logits)."""
+        request = self.request
+        return self.params.prompt_logprobs is not None and len(request.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def arrival_key(self) -> tuple[float, int, int]:
         """FCFS priority: earlier arrival first; ties by request then sample order."""
         return (self.request.metrics.arrival_time, self.request.order, self.index)
@@ -120,6 +127,8 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    # One entry per prompt token computed so far when prompt_logprobs is set; the first token has none.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def new_sequence(self, index: int) -> Sequence:
         generator = torch.Generator(device="cpu")
@@ -154,4 +163,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None,
         )

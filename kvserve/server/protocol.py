@@ -1,10 +1,15 @@
 """Pydantic models of the OpenAI-compatible request and response bodies.
 
 Requests are validated strictly for types (a string where an integer belongs, a bool where a number
-belongs, NaN/Infinity are all rejected) while unknown fields are ignored, as OpenAI does. Value ranges
-(temperature >= 0, n >= 1, ...) are checked once, by `SamplingParams`, so the messages name the field
-the same way in Python and over HTTP. Fields that would change the meaning of a request but that
-kvserve does not implement are accepted only at their neutral value (see `_reject_unsupported`).
+belongs, NaN/Infinity are all rejected). Value ranges (temperature >= 0, n >= 1, ...) are checked once,
+by `SamplingParams`, so the messages name the field the same way in Python and over HTTP.
+
+Nothing is silently ignored (`fields.py` holds the lists): a field kvserve implements is declared
+here; an OpenAI or vLLM field it does not implement is accepted only at its neutral value and
+otherwise gets a 400 naming it; a field nobody defines gets a 400 naming it ("unknown field"), except
+the few that by definition do not change the answer (`user`, `metadata`, ...). vLLM instead logs and
+ignores unknown fields; a 400 was chosen so that a typo (`max_token`) or a setting from another server
+cannot return a 200 with the setting not applied.
 
 `user` is accepted and ignored: OpenAI defines it as an end-user id for abuse monitoring, and using it
 as a prefix-cache salt would stop the users of one tenant from sharing a system prompt's blocks. The
@@ -13,13 +18,14 @@ tenant boundary is `cache_salt` (as in vLLM); without it requests share the cach
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server.fields import check_extra_fields
 
-_REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+_REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -32,37 +38,38 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = _REQUEST_CONFIG
-    # Unsupported field -> the only value it may have (None is always allowed).
-    _neutral: ClassVar[dict[str, Any]] = {
-        "presence_penalty": 0,
-        "frequency_penalty": 0,
-        "logit_bias": {},
-    }
+    # Extra fields are collected and judged by check_extra_fields (a 400 unless neutral or harmless).
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    _endpoint: ClassVar[str] = "completions"
 
     model: str | None = Field(None, description="defaults to the served model")
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = Field(0, description="0 or -1 disables top-k")
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     ignore_eos: bool = False
+    min_tokens: int = 0
     user: str | None = Field(None, description="accepted and ignored; it is not a cache salt")
     cache_salt: str | None = Field(None, description="prefix-cache tenant boundary; absent means no salt")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> _SamplingFields:
-        for name, neutral in self._neutral.items():
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ValueError(f"{name}={value!r} is not supported by kvserve")
+    def _check_fields(self) -> _SamplingFields:
+        check_extra_fields(self.model_extra or {}, self._endpoint)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
         return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -73,10 +80,19 @@ class _SamplingFields(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_token_bias(self.logit_bias),
         )
 
     @property
@@ -88,14 +104,22 @@ class _SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(_SamplingFields):
-    _neutral: ClassVar[dict[str, Any]] = {**_SamplingFields._neutral, "echo": False, "suffix": ""}
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    bias = {}
+    for key, value in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        bias[int(key)] = value
+    return bias
 
+
+class CompletionRequest(_SamplingFields):
     # A string, a list of token ids, or a batch of either (one choice per prompt and sample).
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool | None = None
-    suffix: str | None = None
+    # Prepend the prompt to each choice (and its logprobs, the first token's being null).
+    echo: bool = False
 
 
 class TextContentPart(BaseModel):
@@ -119,18 +143,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    _neutral: ClassVar[dict[str, Any]] = {
-        **_SamplingFields._neutral,
-        "tools": [],
-        "response_format": {"type": "text"},
-    }
+    _endpoint: ClassVar[str] = "chat"
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # ---- responses ----
@@ -150,7 +168,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 

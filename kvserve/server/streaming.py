@@ -24,6 +24,7 @@ class ResponseMeta:
     created: int
     model: str
     n: int  # samples per prompt; choice index = prompt index * n + sample index
+    echo: bool = False  # completions: each choice starts with its prompt (and its logprobs)
 
 
 @dataclass
