@@ -95,6 +95,7 @@ class EngineCounters:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0
+    structured_truncated: int = 0  # constrained samples ended by max_tokens or the context ("length")
 
 
 class LLMEngine:
@@ -178,9 +179,10 @@ class LLMEngine:
             base_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(62),
             tokenizer=self.tokenizer,
         )
+        first = request.new_sequence(0)  # raises ValueError for a grammar that does not compile
         self._order += 1
         self.requests[request_id] = request
-        self.scheduler.add(request.new_sequence(0))
+        self.scheduler.add(first)
 
     def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -442,8 +444,12 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         self.counters.generated_tokens += 1
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the grammar: {seq.matcher.get_error()}")
         if not append_token(seq, token, self._eos_of(seq), self.max_model_len):
             return False
+        if seq.matcher is not None and seq.finish_reason == "length":
+            self.counters.structured_truncated += 1
         self.scheduler.remove(seq)
         if request.finished:
             request.metrics.finished_time = now
@@ -496,5 +502,6 @@ class LLMEngine:
             "requests_finished": c.requests_finished,
             "requests_aborted": c.requests_aborted,
             "requests_failed": c.requests_failed,
+            "structured_truncated": c.structured_truncated,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

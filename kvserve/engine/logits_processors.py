@@ -1,6 +1,7 @@
-"""Per-request changes to a batch of logits before sampling: logit_bias, min_tokens, penalties.
+"""Per-request changes to a batch of logits before sampling: logit_bias, min_tokens, penalties, grammar.
 
-Order (vLLM's): logit_bias, min_tokens, repetition / frequency / presence penalties; temperature,
+Order (vLLM's): logit_bias, min_tokens, repetition / frequency / presence penalties, then the grammar
+mask (last, so no bias or penalty can bring back a token the grammar forbids); temperature,
 min_p, top-k and top-p follow in sampler.policy_probs. Each row depends only on its own request's
 parameters and tokens, never on the rest of the batch (the seeded-output property).
 Logprobs stay those of the raw model distribution (vLLM's default), so they are computed elsewhere.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.engine.sequence import Sequence
+from kvserve.structured.masks import apply_grammar_masks
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[list[int]]) -> torch.Tensor:
@@ -26,6 +28,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[li
     _apply_logit_bias(out, seqs)
     _apply_min_tokens(out, seqs, stop_ids)
     _apply_penalties(out, seqs)
+    apply_grammar_masks(out, [(row, seq.matcher) for row, seq in enumerate(seqs) if seq.matcher is not None])
     return out
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.structured.grammar import StructuredOutput
+
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
@@ -41,6 +43,9 @@ class SamplingParams:
     min_p: float = 0.0
     # Log-probabilities of each prompt token (the first has none) plus this many top alternatives.
     prompt_logprobs: int | None = None
+    # Constrained decoding: every token must keep the output a prefix of the grammar's language, and
+    # end-of-sequence is allowed exactly when it is complete (kvserve/structured).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,16 +92,26 @@ class SamplingParams:
             ),
             ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0, "a number > 0"),
             ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            (
+                "structured",
+                self.structured is None or isinstance(self.structured, StructuredOutput),
+                "a StructuredOutput",
+            ),
         ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar decides where the answer ends; these would fight it (a complete value allows
+            # only end-of-sequence, which they forbid).
+            raise ValueError("ignore_eos and min_tokens cannot be combined with structured output")
 
     @property
     def processes_logits(self) -> bool:
         """Whether logits_processors.py changes this request's logits (it then never speculates)."""
         return bool(
-            self.logit_bias
+            self.structured is not None
+            or self.logit_bias
             or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty

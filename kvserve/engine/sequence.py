@@ -16,11 +16,13 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
+from kvserve.structured.grammar import new_matcher
 
 
 class SeqStatus(enum.Enum):
@@ -56,6 +58,8 @@ class Sequence:
     # Draft tokens proposed for this step; verified (and dropped) within the same step.
     spec_tokens: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # With structured output: the grammar state after this sample's output tokens (None otherwise).
+    matcher: llguidance.LLMatcher | None = None
     # The scheduler pass that last left this sequence out to keep a step in whole row blocks (-1: none).
     last_deferred_pass: int = -1
 
@@ -144,6 +148,8 @@ class Request:
             generator=generator,
             detokenizer=detok,
         )
+        if self.params.structured is not None:
+            seq.matcher = new_matcher(self.params.structured, self.tokenizer)
         self.sequences.append(seq)
         return seq
 

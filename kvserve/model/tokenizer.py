@@ -108,6 +108,10 @@ class TokenizerWrapper:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def backend_json(self) -> str:
+        """The `tokenizers` definition as JSON (grammar engines rebuild the vocabulary from it)."""
+        return self._tok.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

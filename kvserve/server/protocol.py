@@ -18,12 +18,14 @@ tenant boundary is `cache_salt` (as in vLLM); without it requests share the cach
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.fields import check_extra_fields
+from kvserve.structured.grammar import StructuredOutput
 
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -33,6 +35,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's extension: cumulative usage on every chunk, so clients can count tokens per chunk.
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    # The schema is always enforced; strict=false (OpenAI: best effort) gets the same guarantee.
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    model_config = _REQUEST_CONFIG
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -64,6 +92,13 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (at most one).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_fields(self) -> _SamplingFields:
@@ -93,7 +128,40 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=_token_bias(self.logit_bias),
+            structured=self.structured_output(),
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint the request sets, if any; ValueError when it sets several or a bad one."""
+        found: list[tuple[str, StructuredOutput]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", StructuredOutput("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+            found.append(("response_format", StructuredOutput("json_schema", fmt.json_schema.schema_)))
+        so = self.structured_outputs
+        candidates = [
+            ("guided_json", "json_schema", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+            ("structured_outputs.json", "json_schema", so.json_ if so else None),
+            ("structured_outputs.regex", "regex", so.regex if so else None),
+            ("structured_outputs.choice", "choice", so.choice if so else None),
+            ("structured_outputs.grammar", "grammar", so.grammar if so else None),
+        ]
+        for name, kind, spec in candidates:
+            if spec is not None:
+                found.append((name, StructuredOutput(kind, _json_spec(name, spec) if kind == "json_schema" else spec)))
+        if so is not None and so.json_object:
+            found.append(("structured_outputs.json_object", StructuredOutput("json_object")))
+        if len(found) > 1:
+            raise ValueError(f"set at most one structured output constraint, got {', '.join(n for n, _ in found)}")
+        if found and found[0][1].kind == "choice" and not found[0][1].spec:
+            raise ValueError(f"{found[0][0]} must list at least one choice")
+        return found[0][1] if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -102,6 +170,19 @@ class _SamplingFields(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+def _json_spec(name: str, spec: dict[str, Any] | str) -> dict[str, Any]:
+    """vLLM accepts a schema as an object or as its JSON text."""
+    if isinstance(spec, dict):
+        return spec
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise ValueError(f"{name} must be a JSON schema object")
+    return schema
 
 
 def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
