@@ -97,7 +97,9 @@ def test_json_schema_regex_choice_and_grammar_offline(llm_fp32) -> None:
 
 def test_n_samples_each_follow_the_grammar_and_length_is_counted(llm_fp32) -> None:
     before = llm_fp32.engine.counters.structured_truncated
-    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=80, structured=StructuredOutput("json_schema", PERSON))
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=80, structured=StructuredOutput("json_schema", PERSON)
+    )
     cut = SamplingParams(temperature=0, max_tokens=3, structured=StructuredOutput("json_schema", PERSON))
     full, short = llm_fp32.chat([ASK, ASK], [params, cut])
     for sample in full.outputs:
@@ -112,7 +114,7 @@ def test_n_samples_each_follow_the_grammar_and_length_is_counted(llm_fp32) -> No
     [
         (StructuredOutput("json_schema", {"type": "strin"}), "strin"),
         (StructuredOutput("regex", "(ab"), "regex"),
-        (StructuredOutput("grammar", "root ::= \"a\" missing_rule"), "grammar"),
+        (StructuredOutput("grammar", 'root ::= "a" missing_rule'), "grammar"),
     ],
 )
 def test_bad_specs_are_refused_on_admission(llm_fp32, spec: StructuredOutput, needle: str) -> None:

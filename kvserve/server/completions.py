@@ -32,16 +32,17 @@ class CompletionsFlavor:
         return prompts, params
 
     def response(self, meta: ResponseMeta, outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
+        echo = meta.body is not None and meta.body.echo
         choices = []
         for prompt_index, output in enumerate(outputs):
             prompt_text = ""
-            if meta.echo:
+            if echo:
                 prompt_text = (
                     output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
                 )
             for c in output.outputs:
                 logprobs = c.logprobs
-                if meta.echo and logprobs is not None:
+                if echo and logprobs is not None:
                     logprobs = [*(output.prompt_logprobs or []), *logprobs]
                 choice = CompletionChoice(
                     index=prompt_index * meta.n + c.index,

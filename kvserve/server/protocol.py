@@ -209,18 +209,78 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    model_config = _REQUEST_CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as the chat template expects it: plain-text content, OpenAI's developer = system."""
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it: plain-text content, OpenAI's developer = system,
+        and the tool fields intact (a template that renders tools reads them)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content or "",
+        }
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # Arguments are always generated under the parameters schema; strict=false gets the same guarantee.
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -230,6 +290,41 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        if not self.tools:
+            for name in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is only allowed when tools are given")
+            return self
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the tools")
+        if self.tool_mode != "none" and self.structured_output() is not None:
+            raise ValueError("tools (with tool_choice other than 'none') cannot be combined with response_format")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """ "none" (no tools, or tool_choice none), "auto", or "required" (also a named function)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "auto" if self.tool_choice in (None, "auto") else "required"
+
+    def callable_functions(self) -> list[dict[str, Any]]:
+        """The functions a call may name: the named one, or all of them."""
+        choice = self.tool_choice
+        tools = self.tools or []
+        if isinstance(choice, NamedToolChoice):
+            tools = [t for t in tools if t.function.name == choice.function.name]
+        return [t.function.model_dump(exclude_none=True) for t in tools]
 
 
 # ---- responses ----
@@ -285,7 +380,20 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatChoice(BaseModel):
@@ -307,6 +415,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -7,8 +7,8 @@ or one chunk looks; the order of events is defined once, here.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -24,7 +24,9 @@ class ResponseMeta:
     created: int
     model: str
     n: int  # samples per prompt; choice index = prompt index * n + sample index
-    echo: bool = False  # completions: each choice starts with its prompt (and its logprobs)
+    body: Any = None  # the validated request, for what shapes its responses (echo, tools)
+    # Per-choice state a flavor keeps across the chunks of one stream (chat's tool-call parser).
+    stream_state: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass

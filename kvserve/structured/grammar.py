@@ -24,13 +24,14 @@ from kvserve.model.tokenizer import TokenizerWrapper
 # At most one newline and a few spaces or tabs between two JSON tokens: enough for indented output,
 # too little to loop on. JSON's other whitespace (\r) is never needed.
 WHITESPACE = r"[\x20\x09]{0,8}|\x0A[\x20\x09]{0,16}"
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """kind: one of KINDS. spec: the schema (a dict) for json_schema, the pattern for regex, the list of
-    strings for choice, the Lark or GBNF text for grammar, None for json_object."""
+    strings for choice, the Lark or GBNF text for grammar (llguidance's Lark for lark), None for
+    json_object."""
 
     kind: str
     spec: Any = None
@@ -47,6 +48,8 @@ class StructuredOutput:
             return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.spec))
         if self.kind == "grammar":
             return llguidance.grammar_from("grammar", self.spec)
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.spec)
         raise ValueError(f"unknown structured output kind {self.kind!r}")
 
     @property
