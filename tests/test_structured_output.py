@@ -12,7 +12,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.structured.grammar import StructuredOutput, new_matcher
-from kvserve.structured.masks import allowed_tokens
+from kvserve.structured.masks import allowed_tokens, compute_masks, mask_draft_rows
 
 PERSON = {
     "type": "object",
@@ -40,6 +40,23 @@ def test_bitmask_unpacking_matches_a_bit_by_bit_reference() -> None:
         for token in range(150):
             bit = token < 128 and (int(bitmask[row, token // 32]) >> (token % 32)) & 1 == 1
             assert bool(got[row, token]) == bit
+
+
+def test_draft_rows_are_masked_by_the_state_after_the_drafts_before_them(llm_fp32) -> None:
+    tokenizer = llm_fp32.tokenizer
+    spec = StructuredOutput("json_schema", PERSON)
+    drafts = tokenizer.encode('{"name": "Al"') + tokenizer.encode("}")  # "age" is missing: the last draft breaks it
+    logits = torch.zeros(len(drafts) + 1, tokenizer.vocab_size)
+    matcher = new_matcher(spec, tokenizer)
+    masked = mask_draft_rows(logits, matcher, drafts)
+    assert not matcher.is_error() and matcher.validate_tokens(drafts) == len(drafts) - 1  # left unmoved
+    reference = new_matcher(spec, tokenizer)
+    for i in range(len(drafts)):  # rows 0..k-1: the states after drafts[:i], all grammatical
+        expected = compute_masks([reference], tokenizer.vocab_size)[0]
+        assert torch.equal(masked[i] == 0, expected), i
+        if i < len(drafts) - 1:
+            assert reference.consume_token(drafts[i])
+    assert masked[len(drafts) - 1, drafts[-1]] == float("-inf")  # the breaking draft has probability 0
 
 
 def test_eos_is_allowed_exactly_when_the_value_is_complete(llm_fp32) -> None:
@@ -121,3 +138,26 @@ def test_bad_specs_are_refused_on_admission(llm_fp32, spec: StructuredOutput, ne
     with pytest.raises(ValueError, match=needle):
         llm_fp32.generate("hi", SamplingParams(structured=spec))
     assert not llm_fp32.engine.has_unfinished_requests()
+
+
+def test_speculative_decoding_checks_drafts_against_the_grammar(llm_fp32) -> None:
+    """n-gram drafts of a constrained request are verified against grammar-masked target rows, so its
+    greedy tokens equal a plain engine's; a penalized request decodes without drafts, exactly too."""
+    from kvserve import LLM
+
+    copy = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red,"
+    colors = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 6, "maxItems": 6}
+    ask = [{"role": "user", "content": "List the colors red, green, blue, red, green, blue as a JSON array."}]
+    prompts = [llm_fp32.tokenizer.encode_chat(ask), copy]
+    params = [
+        SamplingParams(temperature=0, max_tokens=80, structured=StructuredOutput("json_schema", colors)),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=1.0),
+    ]
+    spec = LLM(dtype="float32", num_kv_blocks=128, speculative={"method": "ngram", "num_tokens": 4, "adaptive": False})
+    constrained = spec.generate(prompts[:1], params[:1])[0]
+    assert spec.engine.stats()["spec_proposed_tokens"] > 0, "the constrained request should have been drafted"
+    penalized = spec.generate(prompts[1:], params[1:])[0]
+    expected = llm_fp32.generate(prompts, params)
+    assert [constrained.token_ids, penalized.token_ids] == [o.token_ids for o in expected]
+    assert constrained.finish_reason == "stop"
+    jsonschema.validate(json.loads(constrained.text), colors)

@@ -11,6 +11,8 @@ import logging
 import random
 import time
 from collections.abc import Sequence as Seq
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,7 @@ from kvserve.model.registry import load_model
 from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
 from kvserve.spec.speculator import Speculator
+from kvserve.structured.masks import start_masks
 
 logger = logging.getLogger(__name__)
 # Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
@@ -251,6 +254,7 @@ class LLMEngine:
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:
         proposals = self._plan_speculation()
+        grammar_masks = None
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -266,11 +270,14 @@ class LLMEngine:
             if self.speculator is not None:
                 proposals = self._draft(sched, proposals)
             spans = spans_of(sched)
+            grammar_masks = self._start_grammar_masks(sched)
             logits = self.runner.execute(spans)
             if self.draft is not None:
                 self.draft.observe(spans)
         except Exception as exc:  # a failing batch fails its requests, not the engine
             logger.exception("forward pass failed")
+            if grammar_masks is not None:
+                futures.wait([grammar_masks])  # its matchers are not touched while it runs
             return [self._fail(item.seq.request, exc) for item in sched.scheduled]
         if self.speculator is not None:
             self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
@@ -304,7 +311,8 @@ class LLMEngine:
                 rows = [r for _, r in jobs]
                 in_order = rows == list(range(logits.shape[0]))  # the common case: no copy needed
                 selected = logits if in_order else logits.index_select(0, torch.tensor(rows, device=logits.device))
-                processed = process_logits(selected, seqs, [self._eos_of(s) for s in seqs])
+                masks = grammar_masks.result() if grammar_masks is not None else None
+                processed = process_logits(selected, seqs, [self._eos_of(s) for s in seqs], masks)
                 tokens = sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs])
                 logprobs = self._logprobs(selected, tokens, seqs)
             except Exception as exc:  # batched sampling failed: fail exactly the requests it served
@@ -369,12 +377,9 @@ class LLMEngine:
         """
         if self.speculator is None:
             return {}
-        # A sequence's first token is never speculated: an n > 1 request forks its samples there. Nor is a
-        # request whose logits are processed: verification compares drafts with the unprocessed target.
+        # A sequence's first token is never speculated: an n > 1 request forks its samples there.
         decoding = [
-            s
-            for s in self.scheduler.running
-            if not s.in_prefill and s.num_output_tokens > 0 and not s.params.processes_logits
+            s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0 and s.params.speculates
         ]
         if not decoding:
             return {}
@@ -405,6 +410,19 @@ class LLMEngine:
             item.num_new_tokens = item.num_logits = 1 + len(proposal.tokens)
             proposals[item.seq.seq_id] = proposal
         return proposals
+
+    def _start_grammar_masks(self, sched: SchedulerOutput) -> Future[dict[int, torch.Tensor]] | None:
+        """Start the grammar masks of the constrained sequences that sample this step (not verifying
+        drafts), to be computed while the forward pass runs."""
+        matchers = {
+            item.seq.seq_id: item.seq.matcher
+            for item in sched.scheduled
+            if item.seq.matcher is not None
+            and not item.seq.spec_tokens
+            and item.num_logits
+            and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
+        }
+        return start_masks(matchers, self.model.config.vocab_size) if matchers else None
 
     def _trim_blocks(self, seq: Sequence) -> None:
         """Release blocks that only held K/V of rejected drafts (positions >= num_tokens)."""

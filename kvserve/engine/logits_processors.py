@@ -16,19 +16,32 @@ from __future__ import annotations
 import torch
 
 from kvserve.engine.sequence import Sequence
-from kvserve.structured.masks import apply_grammar_masks
+from kvserve.structured.masks import apply_grammar_masks, compute_masks
 
 
-def process_logits(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[list[int]]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    stop_ids: list[list[int]],
+    grammar_masks: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The logits each row samples from, float32; `logits` itself is returned untouched when no row
-    needs a change. stop_ids[i] are the tokens min_tokens bans for row i (EOS unless ignored, stop ids)."""
+    needs a change. stop_ids[i] are the tokens min_tokens bans for row i (EOS unless ignored, stop ids).
+    grammar_masks: allowed tokens by seq_id, computed ahead (masks.start_masks); the others are computed
+    here."""
     if not any(s.params.processes_logits for s in seqs):
         return logits
     out = logits.float().clone()
     _apply_logit_bias(out, seqs)
     _apply_min_tokens(out, seqs, stop_ids)
     _apply_penalties(out, seqs)
-    apply_grammar_masks(out, [(row, seq.matcher) for row, seq in enumerate(seqs) if seq.matcher is not None])
+    constrained = [(row, seq) for row, seq in enumerate(seqs) if seq.matcher is not None]
+    masks = dict(grammar_masks or {})
+    missing = [seq for _, seq in constrained if seq.seq_id not in masks]
+    if missing:
+        computed = compute_masks([seq.matcher for seq in missing], out.shape[1])
+        masks.update(zip([seq.seq_id for seq in missing], computed, strict=True))
+    apply_grammar_masks(out, [(row, masks[seq.seq_id]) for row, seq in constrained])
     return out
 
 

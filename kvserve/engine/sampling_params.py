@@ -108,10 +108,16 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether logits_processors.py changes this request's logits (it then never speculates)."""
-        return bool(
-            self.structured is not None
-            or self.logit_bias
+        """Whether logits_processors.py changes this request's logits."""
+        return self.structured is not None or not self.speculates
+
+    @property
+    def speculates(self) -> bool:
+        """Whether drafts may be verified for this request. Not with logit_bias, min_tokens or penalties:
+        verification would need them applied at every draft position. A grammar is (spec/speculator.py
+        masks each target row after the drafts before it)."""
+        return not (
+            self.logit_bias
             or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty
