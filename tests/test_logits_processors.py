@@ -14,6 +14,7 @@ from kvserve.engine.logits_processors import process_logits
 from kvserve.engine.outputs import RequestMetrics
 from kvserve.engine.sampler import policy_probs
 from kvserve.engine.sequence import Request, Sequence
+from kvserve.structured.grammar import StructuredOutput
 
 PROMPT = "List the days of the week:"
 VOCAB = 12
@@ -114,10 +115,15 @@ def test_processed_seeded_request_is_independent_of_the_batch(llm_fp32) -> None:
     seeded = SamplingParams(
         temperature=1.0, seed=99, max_tokens=12, ignore_eos=True, frequency_penalty=0.8, min_p=0.05, logit_bias={11: 5}
     )
-    alone = llm_fp32.generate(PROMPT, seeded)[0].token_ids
+    digits = StructuredOutput("regex", "[0-9]{12}")
+    constrained = SamplingParams(temperature=1.0, seed=98, max_tokens=16, repetition_penalty=1.2, structured=digits)
+    alone = [llm_fp32.generate(PROMPT, p)[0].token_ids for p in (seeded, constrained)]
     others = [
         SamplingParams(temperature=0.7, max_tokens=14, presence_penalty=-1.0, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5, logit_bias={alone[0]: -100}),
+        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5, logit_bias={alone[0][0]: -100}),
+        SamplingParams(temperature=1.0, max_tokens=16, structured=digits),
     ]
-    batch = llm_fp32.generate(["Hello", PROMPT, "The sky is"], [others[0], seeded, others[1]])
-    assert batch[1].token_ids == alone
+    batch = llm_fp32.generate(
+        ["Hello", PROMPT, "The sky is", PROMPT, PROMPT], [others[0], seeded, others[1], constrained, others[2]]
+    )
+    assert [batch[1].token_ids, batch[3].token_ids] == alone

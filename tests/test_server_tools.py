@@ -5,6 +5,8 @@ function's schema; the history's assistant calls and tool messages reach the pro
 from __future__ import annotations
 
 import json
+import random
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -17,7 +19,7 @@ from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.chat import with_default_tool_prompt
 from kvserve.server.openai_api import build_app
 from kvserve.server.testing import ServerThread
-from kvserve.server.tools import CALL_OPEN, DEFAULT_TOOL_PROMPT
+from kvserve.server.tools import CALL_OPEN, DEFAULT_TOOL_PROMPT, ToolCallStream
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +72,48 @@ def assert_valid_calls(calls: list[Any], names: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def reassemble(deltas: list[Any]) -> list[Any]:
+    """Streamed tool-call deltas -> calls, as a client does: the first delta of an index carries its id
+    and name, the arguments are the concatenation of every delta's fragment."""
+    calls: dict[int, Any] = {}
+    for delta in deltas:
+        if delta.index not in calls:
+            assert delta.id and delta.function.name, "a call's first delta names it"
+            calls[delta.index] = SimpleNamespace(
+                id=delta.id, function=SimpleNamespace(name=delta.function.name, arguments="")
+            )
+        else:
+            assert delta.id is None and delta.function.name is None
+        calls[delta.index].function.arguments += delta.function.arguments or ""
+    assert list(calls) == list(range(len(calls)))
+    return list(calls.values())
+
+
+def test_streamed_call_fragments_reassemble_at_any_chunking() -> None:
+    args = ['{"city": "Pa}ris", "unit": {"x": [1, 2]} }', '{"timezone":"Europe/Paris"}']
+    text = (
+        f'{CALL_OPEN}{{"name": "get_weather", "arguments": {args[0]}\n  }}\n</tool_call>\n'
+        f'{CALL_OPEN}{{"name":"get_time","arguments":{args[1]}}}\n</tool_call>'
+    )
+    rng = random.Random(0)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 40)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        stream, deltas = ToolCallStream(), []
+        for i, piece in enumerate(pieces):
+            content, new = stream.feed(piece, finished=i == len(pieces) - 1)
+            assert content is None
+            deltas += new
+        calls = reassemble(deltas)
+        assert [(c.function.name, c.function.arguments) for c in calls] == [
+            ("get_weather", args[0]),
+            ("get_time", args[1]),
+        ]
+    text_stream = ToolCallStream()
+    assert text_stream.feed("<tool", finished=False) == (None, [])  # could still become a call
+    assert text_stream.feed("s are great", finished=False) == ("<tools are great", [])
+
+
 def test_required_named_and_streamed_calls_validate(client: openai.OpenAI) -> None:
     forced = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=1, max_tokens=200
@@ -96,8 +140,9 @@ def test_required_named_and_streamed_calls_validate(client: openai.OpenAI) -> No
         )
     )
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
-    assert [d.index for d in deltas] == list(range(len(deltas)))
-    assert_valid_calls(deltas, {"get_weather", "get_time"})
+    calls = reassemble(deltas)
+    assert len(deltas) > len(calls), "arguments should arrive in fragments"
+    assert_valid_calls(calls, {"get_weather", "get_time"})
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
 

@@ -107,18 +107,31 @@ def _parse_block(block: str) -> ParsedCall:
     return ParsedCall(new_call_id(), call["name"], json.dumps(call["arguments"]))
 
 
+# The start of a call's JSON up to its arguments' first character, once that has arrived (the grammar
+# puts "name" first).
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+# What may still turn out to follow the arguments rather than belong to them: whitespace, the call
+# object's closing brace and the start of the closing tag.
+_MAYBE_CALL_END = re.compile(
+    r"\s*(\}\s*(" + "".join("(" + re.escape(c) for c in CALL_CLOSE) + ")?" * len(CALL_CLOSE) + r")?)?$"
+)
+
+
 class ToolCallStream:
-    """One streamed choice's text -> content deltas, or tool-call deltas once its calls are complete.
+    """One streamed choice's text -> content deltas or tool-call deltas.
 
     The answer is either text or calls (the grammar sees to it); while what has arrived could still be
-    the start of a call tag, nothing is sent. Each call goes out as one delta (index, id, name and its
-    arguments as a single fragment) when its block closes.
+    the start of a call tag, nothing is sent. A call's first delta carries its index, id and name as
+    soon as the name is complete; its arguments then follow as fragments of the generated JSON text,
+    holding back only what may be the end of the call (whitespace, the closing brace and tag).
     """
 
     def __init__(self) -> None:
-        self.pending = ""
+        self.pending = ""  # text of the current call (or undecided text) not yet consumed
         self.is_calls: bool | None = None  # None until the first characters decide
         self.num_calls = 0
+        self.args_start: int | None = None  # where the current call's arguments begin in pending
+        self.args_sent = 0  # characters of the current call's arguments sent
 
     def feed(self, text: str, finished: bool) -> tuple[str | None, list[ToolCallDelta]]:
         self.pending += text
@@ -129,14 +142,41 @@ class ToolCallStream:
         if not self.is_calls:
             content, self.pending = self.pending, ""
             return content or None, []
-        deltas = []
-        while (match := _CALL_BLOCK.search(self.pending)) is not None:
-            call = _parse_block(match.group(1))
-            function = FunctionCallDelta(name=call.name, arguments=call.arguments)
-            deltas.append(ToolCallDelta(index=self.num_calls, id=call.id, type="function", function=function))
-            self.num_calls += 1
-            self.pending = self.pending[match.end() :]
+        deltas: list[ToolCallDelta] = []
+        while self._advance(deltas):
+            pass
         return None, deltas
+
+    def _advance(self, deltas: list[ToolCallDelta]) -> bool:
+        """Emit what the current call allows; True when a call completed (another may follow)."""
+        start = self.pending.find(CALL_OPEN)
+        if start < 0:
+            return False
+        body_start = start + len(CALL_OPEN)
+        if self.args_start is None:
+            head = _CALL_HEAD.match(self.pending, body_start)
+            if head is None:
+                return False
+            name = json.loads(head.group(1))
+            function = FunctionCallDelta(name=name, arguments="")
+            deltas.append(ToolCallDelta(index=self.num_calls, id=new_call_id(), type="function", function=function))
+            self.args_start, self.args_sent = head.end(), 0
+        close = self.pending.find(CALL_CLOSE, self.args_start)
+        if close >= 0:  # complete: the arguments end before the call object's closing brace
+            args = self.pending[self.args_start : self.pending.rindex("}", 0, close)].rstrip()
+        else:
+            tail = self.pending[self.args_start :]
+            args = tail[: _MAYBE_CALL_END.search(tail).start()]
+        if len(args) > self.args_sent:
+            fragment = FunctionCallDelta(arguments=args[self.args_sent :])
+            deltas.append(ToolCallDelta(index=self.num_calls, function=fragment))
+            self.args_sent = len(args)
+        if close < 0:
+            return False
+        self.pending = self.pending[close + len(CALL_CLOSE) :]
+        self.num_calls += 1
+        self.args_start = None
+        return True
 
 
 def new_call_id() -> str:
