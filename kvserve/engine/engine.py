@@ -11,6 +11,8 @@ import logging
 import random
 import time
 from collections.abc import Sequence as Seq
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.host_memory import keep_freed_memory, return_freed_memory
+from kvserve.engine.logits_processors import process_logits
 from kvserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.prefix_cache import CacheKey
 from kvserve.engine.runner import KVCache, ModelRunner, spans_of
@@ -34,6 +37,7 @@ from kvserve.model.registry import load_model
 from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
 from kvserve.spec.speculator import Speculator
+from kvserve.structured.masks import start_masks
 
 logger = logging.getLogger(__name__)
 # Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
@@ -94,6 +98,7 @@ class EngineCounters:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0
+    structured_truncated: int = 0  # constrained samples ended by max_tokens or the context ("length")
 
 
 class LLMEngine:
@@ -166,6 +171,7 @@ class LLMEngine:
             raise ValueError("cache_salt must be a string")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self.validate_lengths(len(prompt_ids), params)
+        self._validate_token_ids(params)
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
         request = Request(
@@ -180,9 +186,10 @@ class LLMEngine:
             base_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(62),
             tokenizer=self.tokenizer,
         )
+        first = request.new_sequence(0)  # raises ValueError for a grammar that does not compile
         self._order += 1
         self.requests[request_id] = request
-        self.scheduler.add(request.new_sequence(0))
+        self.scheduler.add(first)
 
     def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -217,6 +224,12 @@ class LLMEngine:
                 f"prompt + max_tokens needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
             )
 
+    def _validate_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} names a token id outside the vocabulary [0, {vocab})")
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, or None if unknown."""
         request = self.requests.pop(request_id, None)
@@ -246,6 +259,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         began_wall, began = time.time(), time.perf_counter()
         proposals = self._plan_speculation()
+        grammar_masks = None
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -261,11 +275,14 @@ class LLMEngine:
             if self.speculator is not None:
                 proposals = self._draft(sched, proposals)
             spans = spans_of(sched)
+            grammar_masks = self._start_grammar_masks(sched)
             logits = self.runner.execute(spans)
             if self.draft is not None:
                 self.draft.observe(spans)
         except Exception as exc:  # a failing batch fails its requests, not the engine
             logger.exception("forward pass failed")
+            if grammar_masks is not None:
+                futures.wait([grammar_masks])  # its matchers are not touched while it runs
             return [self._fail(item.seq.request, exc) for item in sched.scheduled]
         if self.speculator is not None:
             self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
@@ -285,8 +302,10 @@ class LLMEngine:
                 seq.num_computed_tokens += 1  # the fed token; accepted drafts are added on verification
                 verifications.append((seq, logits[row : row + item.num_logits]))
             else:
+                if seq.wants_prompt_logits:
+                    self._record_prompt_logprobs(seq, logits[row : row + item.num_logits])
                 seq.num_computed_tokens += item.num_new_tokens
-                if item.num_logits:
+                if item.num_logits and seq.num_computed_tokens >= seq.num_tokens:
                     jobs.extend(self._sampling_jobs(item, row))
             row += item.num_logits
         self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
@@ -300,7 +319,9 @@ class LLMEngine:
                 job_rows = [r for _, r in jobs]
                 in_order = job_rows == list(range(logits.shape[0]))  # the common case: no copy needed
                 selected = logits if in_order else logits.index_select(0, torch.tensor(job_rows, device=logits.device))
-                tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
+                masks = grammar_masks.result() if grammar_masks is not None else None
+                processed = process_logits(selected, seqs, [self._eos_of(s) for s in seqs], masks)
+                tokens = sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs])
                 logprobs = self._logprobs(selected, tokens, seqs)
             except Exception as exc:  # batched sampling failed: fail exactly the requests it served
                 logger.exception("sampling failed")
@@ -370,7 +391,9 @@ class LLMEngine:
         if self.speculator is None:
             return {}
         # A sequence's first token is never speculated: an n > 1 request forks its samples there.
-        decoding = [s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0]
+        decoding = [
+            s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0 and s.params.speculates
+        ]
         if not decoding:
             return {}
         prefill_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.in_prefill)
@@ -401,12 +424,39 @@ class LLMEngine:
             proposals[item.seq.seq_id] = proposal
         return proposals
 
+    def _start_grammar_masks(self, sched: SchedulerOutput) -> Future[dict[int, torch.Tensor]] | None:
+        """Start the grammar masks of the constrained sequences that sample this step (not verifying
+        drafts), to be computed while the forward pass runs."""
+        matchers = {
+            item.seq.seq_id: item.seq.matcher
+            for item in sched.scheduled
+            if item.seq.matcher is not None
+            and not item.seq.spec_tokens
+            and item.num_logits
+            and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
+        }
+        return start_masks(matchers, self.model.config.vocab_size) if matchers else None
+
     def _trim_blocks(self, seq: Sequence) -> None:
         """Release blocks that only held K/V of rejected drafts (positions >= num_tokens)."""
         keep = -(-seq.num_tokens // self.config.block_size)
         if len(seq.block_table) > keep:
             self.pool.free_blocks(seq.block_table[keep:])
             del seq.block_table[keep:]
+
+    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """Rows are the logits at positions num_computed_tokens...: row j scores the token after it."""
+        request = seq.request
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # nothing scores the first prompt token
+        start = seq.num_computed_tokens
+        # Positions already recorded (a recomputation after preemption) and the sampling row are skipped.
+        first = len(request.prompt_logprobs) - 1 - start
+        last = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
+        if first < last:
+            targets = seq.token_ids[start + first + 1 : start + last + 1]
+            num_top = [seq.params.prompt_logprobs or 0] * len(targets)
+            request.prompt_logprobs.extend(token_logprobs(rows[first:last], targets, num_top))
 
     def _sampling_jobs(self, item: ScheduledSeq, row: int) -> list[tuple[Sequence, int]]:
         seq = item.seq
@@ -425,14 +475,20 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         self.counters.generated_tokens += 1
-        eos = [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
-        if not append_token(seq, token, eos, self.max_model_len):
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the grammar: {seq.matcher.get_error()}")
+        if not append_token(seq, token, self._eos_of(seq), self.max_model_len):
             return False
+        if seq.matcher is not None and seq.finish_reason == "length":
+            self.counters.structured_truncated += 1
         self.scheduler.remove(seq)
         if request.finished:
             request.metrics.finished_time = now
             self.counters.requests_finished += 1
         return True
+
+    def _eos_of(self, seq: Sequence) -> list[int]:
+        return [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         request.error = f"{type(exc).__name__}: {exc}"
@@ -477,5 +533,6 @@ class LLMEngine:
             "requests_finished": c.requests_finished,
             "requests_aborted": c.requests_aborted,
             "requests_failed": c.requests_failed,
+            "structured_truncated": c.structured_truncated,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

@@ -1,4 +1,4 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Turns logits into tokens: greedy, temperature, min-p, top-k, top-p, per-request seeded generators.
 
 `policy_probs` is the one definition of "the distribution a request samples from"; speculative
 decoding uses it for both the draft and the target so the same policy applies in both (§31.5).
@@ -25,11 +25,16 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def policy_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities [R, V] (float32) after temperature, top-k and top-p; greedy rows are one-hot."""
+    """Probabilities [R, V] (float32) after temperature, min-p, top-k and top-p; greedy rows are one-hot."""
     logits = logits.float()
     greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=logits.device)
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
     scaled = logits / temps[:, None]
+    min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+    if bool((min_ps > 0).any()):
+        # p(t) < min_p * p(top)  <=>  scaled(t) < scaled(top) + log(min_p), with no softmax needed.
+        floor = scaled.max(dim=-1, keepdim=True).values + min_ps.log()[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         max_k = max(top_ks)

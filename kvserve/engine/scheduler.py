@@ -154,7 +154,7 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= want
             reaches_end = seq.num_computed_tokens + want >= seq.num_tokens
-            out.scheduled.append(ScheduledSeq(seq, want, want if decoding else int(reaches_end)))
+            out.scheduled.append(ScheduledSeq(seq, want, want if decoding else _prefill_logits(seq, want, reaches_end)))
 
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -234,7 +234,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_key)
             budget -= want
-            out.scheduled.append(ScheduledSeq(seq, want, int(computed + want >= seq.num_tokens)))
+            out.scheduled.append(ScheduledSeq(seq, want, _prefill_logits(seq, want, computed + want >= seq.num_tokens)))
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Longest run of cached full blocks matching the sequence's tokens.
@@ -242,7 +242,7 @@ class Scheduler:
         At most (num_tokens - 1) // block_size blocks: the last token is always computed (its logits
         are needed), and the block it lands in is then never a shared one.
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or seq.wants_prompt_logits:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, max_blocks, self.block_size, seq.request.cache_key_digest)
@@ -307,6 +307,12 @@ class Scheduler:
                 identity = identity_at(seq.block_hashes, seq.token_ids, index, self.block_size)
                 self.pool.register(seq.block_table[index], identity)
             seq.num_registered_blocks = full
+
+
+def _prefill_logits(seq: Sequence, num_new_tokens: int, reaches_end: bool) -> int:
+    """Logits rows a prefill chunk needs: the last one when it completes the prompt (to sample), every
+    row while prompt logprobs are being computed."""
+    return num_new_tokens if seq.wants_prompt_logits else int(reaches_end)
 
 
 def _seq_slots(seq: Sequence) -> int:

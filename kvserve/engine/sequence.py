@@ -16,12 +16,14 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.stop_matcher import StopMatcher, failure_table
 from kvserve.model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
+from kvserve.structured.grammar import new_matcher
 
 
 class SeqStatus(enum.Enum):
@@ -59,6 +61,8 @@ class Sequence:
     # Draft tokens proposed for this step; verified (and dropped) within the same step.
     spec_tokens: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # With structured output: the grammar state after this sample's output tokens (None otherwise).
+    matcher: llguidance.LLMatcher | None = None
     # The scheduler pass that last left this sequence out to keep a step in whole row blocks (-1: none).
     last_deferred_pass: int = -1
 
@@ -85,6 +89,13 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and not all computed yet: every prefill row needs its logits,
+        and the prompt is not taken from the prefix cache (a cached position has no logits)."""
+        request = self.request
+        return self.params.prompt_logprobs is not None and len(request.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def arrival_key(self) -> tuple[float, int, int]:
@@ -125,6 +136,8 @@ class Request:
     error: str | None = None
     # KMP tables of params.stop, built once for all n samples (at the first output token).
     stop_tables: list[list[int]] | None = None
+    # One entry per prompt token computed so far when prompt_logprobs is set; the first token has none.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def new_sequence(self, index: int) -> Sequence:
         generator = torch.Generator(device="cpu")
@@ -140,6 +153,8 @@ class Request:
             generator=generator,
             detokenizer=detok,
         )
+        if self.params.structured is not None:
+            seq.matcher = new_matcher(self.params.structured, self.tokenizer)
         self.sequences.append(seq)
         return seq
 
@@ -164,4 +179,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None,
         )

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -117,10 +118,27 @@ class TokenizerWrapper:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def backend_json(self) -> str:
+        """The `tokenizers` definition as JSON (grammar engines rebuild the vocabulary from it)."""
+        return self._tok.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (else server/tools.py's default prompt)."""
+        if not self.chat_template:
+            return False
+        env = ImmutableSandboxedEnvironment()
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         for message in messages:
@@ -129,12 +147,18 @@ class TokenizerWrapper:
         return _compile_template(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_id),
             strftime_now=lambda fmt: datetime.now().strftime(fmt),
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], special_tokens_in_content: bool = False) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        special_tokens_in_content: bool = False,
+    ) -> list[int]:
         """The rendered conversation's ids. The template writes any special tokens itself, so none are added
         on top. Control strings inside message content stay plain text unless special_tokens_in_content:
         otherwise one user message could forge a system or assistant turn.
@@ -145,14 +169,14 @@ class TokenizerWrapper:
         encoding the whole rendered text (the tokenizer, too, encodes the text between added tokens on its own).
         """
         if special_tokens_in_content:
-            return self.encode(self.apply_chat_template(messages))
+            return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
         nonce = secrets.token_hex(16)
         start, end = f"\x00{nonce}[", f"]{nonce}\x00"
         wrapped = [
             {**m, "content": f"{start}{m['content']}{end}"} if isinstance(m.get("content"), str) else m
             for m in messages
         ]
-        rendered = self.apply_chat_template(wrapped)
+        rendered = self.apply_chat_template(wrapped, tools=tools)
         texts: list[str] = []  # text runs between the template's added tokens
         ids_between: list[list[int]] = []  # ids of the added tokens after each run
         run: list[str] = []

@@ -71,6 +71,7 @@ class _Generator:
                 "model_not_found",
             )
         meta = ResponseMeta(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, body.n)
+        meta.body = body
         try:
             prompts, params = await self.inputs(flavor, body)
             stream = await self.async_engine.submit(meta.id, prompts, params, body.cache_salt, arrival)

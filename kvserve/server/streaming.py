@@ -7,7 +7,7 @@ or one chunk looks; the order of events is defined once, here.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
@@ -26,6 +26,9 @@ class ResponseMeta:
     created: int
     model: str
     n: int  # samples per prompt; choice index = prompt index * n + sample index
+    body: Any = None  # the validated request, for what shapes its responses (echo, tools)
+    # Per-choice state a flavor keeps across the chunks of one stream (chat's tool-call parser).
+    stream_state: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
