@@ -100,13 +100,15 @@ def _to_dtype(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def iter_tensors(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight under its HF name, in HF's [out, in] layout, in `dtype`, one at a time."""
+    """Every weight under its HF name, in HF's [out, in] layout, in `dtype`, one at a time: the loader's
+    seam (a quantized-weights loader would yield the raw blocks here instead of a dequantized copy)."""
     family = gguf_family(reader)
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
         name = _hf_name(tensor.name, family)
         weight = _to_dtype(tensor, dtype)
+        reader.release(tensor)
         if family.gguf_permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute_rope_rows(weight, config.num_heads)
         elif family.gguf_permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):

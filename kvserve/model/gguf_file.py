@@ -35,6 +35,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # row-major (numpy) order: GGUF's dims reversed
     tensor_type: GGMLQuantizationType
     data: np.ndarray  # uint8 bytes in the file's mmap, [rows, bytes per row]
+    file_offset: int  # where `data` starts in the file
 
 
 class GGUFFile:
@@ -67,7 +68,18 @@ class GGUFFile:
             row_bytes = dims[0] // block * type_size
             rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
             data = raw[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
-            self.tensors.append(GGUFTensor(name, tuple(int(d) for d in reversed(dims)), kind, data))
+            shape = tuple(int(d) for d in reversed(dims))
+            self.tensors.append(GGUFTensor(name, shape, kind, data, start + offset))
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's file pages from this process's resident set once it has been copied out:
+        reading a whole file through the mapping would otherwise keep all of it counted in the RSS of
+        the loading process (the pages stay in the OS page cache, and a later read maps them again)."""
+        first = tensor.file_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        last = tensor.file_offset + tensor.data.nbytes
+        whole_pages = last // mmap.PAGESIZE * mmap.PAGESIZE - first  # the tail page may hold the next tensor
+        if whole_pages > 0:
+            self._map.madvise(mmap.MADV_DONTNEED, first, whole_pages)
 
     def _read(self, n: int) -> bytes:
         out = self._map[self._pos : self._pos + n]
