@@ -5,8 +5,10 @@ changes the output) and next-token distributions are peaked (no near-tie decides
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -87,7 +89,7 @@ def write_tokenizer(directory: Path) -> None:
     tok.save(str(directory / "tokenizer.json"))
 
 
-def save_checkpoint(family: str, directory: Path, seed: int = 0):
+def save_checkpoint(family: str, directory: Path, seed: int = 0):  # noqa: ANN201 (a transformers model)
     """The family's tiny model saved as safetensors + config.json + tokenizer.json; returns the HF model."""
     from transformers import AutoModelForCausalLM
 
@@ -118,3 +120,95 @@ def to_transformers4_spelling(directory: Path) -> None:
     kind = params.pop("rope_type")
     raw["rope_scaling"] = None if kind == "default" else {"rope_type": kind, **params}
     path.write_text(json.dumps(raw))
+
+
+def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permute of Llama's q/k rows (RoPE on adjacent pairs)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _llama3_rope_factors(config) -> np.ndarray:
+    """llama.cpp's rope_freqs for Llama 3.1 scaling: per frequency, the divisor of its inverse frequency."""
+    params = config.rope_parameters
+    dim = config.head_dim
+    freqs = 1.0 / (params["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    old, factor = params["original_max_position_embeddings"], params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(family: str, model, path: Path) -> None:
+    """The HF model as llama.cpp's converter writes it (float32 tensors), for the llama and qwen3 families."""
+    from gguf import GGUFWriter
+
+    config = model.config
+    writer = GGUFWriter(str(path), family)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"w{i}" for i in range(VOCAB)])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    if config.rope_parameters["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", array)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", array)
+        elif name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                writer.add_tensor("output.weight", array)
+        else:
+            layer, part = name.removeprefix("model.layers.").split(".", 1)
+            stem, suffix = part.rsplit(".", 1)
+            if family == "llama" and stem == "self_attn.q_proj":
+                array = _llama_cpp_permute(array, config.num_attention_heads)
+            elif family == "llama" and stem == "self_attn.k_proj":
+                array = _llama_cpp_permute(array, config.num_key_value_heads)
+            writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER_NAMES[stem]}.{suffix}", np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

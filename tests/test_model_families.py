@@ -17,9 +17,17 @@ from kvserve import LLM, SamplingParams
 from kvserve.kernels.backends import get_attention_backend
 from kvserve.model.families import family_for_hf
 from kvserve.model.hf import read_hf_config
-from tests.family_checkpoints import VOCAB, WINDOW, family_configs, save_checkpoint, to_transformers4_spelling
+from tests.family_checkpoints import (
+    VOCAB,
+    WINDOW,
+    family_configs,
+    save_checkpoint,
+    to_transformers4_spelling,
+    write_gguf,
+)
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+GGUF_FAMILIES = ["llama", "qwen3"]  # written with the gguf package's GGUFWriter, as llama.cpp's converter does
 WINDOWED = ["mistral", "gemma3"]
 NEW_TOKENS = 32
 _gen = torch.Generator().manual_seed(7)
@@ -36,6 +44,8 @@ def checkpoints(tmp_path_factory) -> dict:
     for family in FAMILIES:
         directory = tmp_path_factory.mktemp(family)
         model = save_checkpoint(family, directory)
+        if family in GGUF_FAMILIES:  # beside the safetensors: the HF loaders read neither the other's file
+            write_gguf(family, model, directory / "model.gguf")
         made[family] = (directory, [hf_greedy(model, ids) for ids in PROMPTS])
     return made
 
@@ -67,6 +77,14 @@ def test_greedy_equals_hf_one_at_a_time_and_batched(checkpoints, family, prefix_
         assert any(o.num_cached_tokens > 0 for o in alone)
     batched = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in batched] == expected
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_gguf_of_the_checkpoint_equals_hf(checkpoints, family):
+    """The same weights as llama.cpp writes them (Llama: q/k rows permuted, llama3 RoPE as rope_freqs)."""
+    directory, expected = checkpoints[family]
+    outs = kvserve_llm(directory / "model.gguf").generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
 
 
 @pytest.mark.parametrize("backend", ["tiled", "reference"])
