@@ -17,6 +17,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.kernels.backends import get_attention_backend
 from kvserve.model.families import family_for_hf
 from kvserve.model.hf import read_hf_config
+from kvserve.model.linear import gemv_kernels
 from tests.family_checkpoints import (
     VOCAB,
     WINDOW,
@@ -60,7 +61,7 @@ def hf_greedy(model, ids: list[int]) -> list[int]:
 
 
 def kvserve_llm(directory: Path, **config) -> LLM:
-    return LLM(model=str(directory), dtype="float32", num_kv_blocks=48, **config)
+    return LLM(model=str(directory), **{"dtype": "float32", "num_kv_blocks": 48, **config})
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -87,11 +88,12 @@ def test_gguf_of_the_checkpoint_equals_hf(checkpoints, family):
     assert [o.token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("backend", ["tiled", "reference"])
 @pytest.mark.parametrize("family", WINDOWED)
-def test_sliding_windows_on_every_torch_backend(checkpoints, family, backend):
+def test_sliding_windows_on_the_tiled_backend(checkpoints, family):
+    """The torch tiled kernel for every layer (the engine's default here is SDPA; every backend's window
+    against the oracle: tests/test_attention_backends.py)."""
     directory, expected = checkpoints[family]
-    outs = kvserve_llm(directory, attention_backend=backend).generate(PROMPTS, GREEDY)
+    outs = kvserve_llm(directory, attention_backend="tiled").generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
 
 
@@ -159,6 +161,14 @@ def test_every_family_is_chosen_by_its_architecture(checkpoints):
     for family in FAMILIES:
         raw = json.loads((checkpoints[family][0] / "config.json").read_text())
         assert family_for_hf(raw).name == family
+
+
+def test_startup_log_says_what_runs_on_torch_ops(checkpoints, caplog):
+    if gemv_kernels() is None:
+        pytest.skip("the compiled CPU kernels do not build here: every family runs on torch ops")
+    kvserve_llm(checkpoints["gemma3"][0], dtype="bfloat16")
+    assert "gemma3 decode steps run on torch ops because it normalizes q and k heads" in caplog.text
+    assert "sliding-window layers run attention on torch ops" in caplog.text
 
 
 def test_triton_refuses_windowed_models():

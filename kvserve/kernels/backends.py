@@ -66,7 +66,7 @@ def get_attention_backend(name: str, device: torch.device | str, windowed: bool 
             "use one of 'sdpa', 'tiled', 'reference', 'cpu', 'auto_cpu'"
         )
     if windowed and name in ("cpu", "auto_cpu") and cpu.load() is not None:
-        logger.info("sliding-window layers run attention on torch ops because the compiled CPU kernel has no window")
+        logger.warning("sliding-window layers run attention on torch ops because the compiled CPU kernel has no window")
     if name == "auto_cpu":
         return auto_cpu_attention
     if name == "tiled":

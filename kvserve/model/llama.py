@@ -107,7 +107,7 @@ class LlamaModel:
         compiled_decode_applies = dtype == torch.bfloat16 and device.type == "cpu" and not reasons
         self.decode_kernels = gemv_kernels() if compiled_decode_applies else None
         if reasons and dtype == torch.bfloat16 and device.type == "cpu" and gemv_kernels() is not None:
-            logger.info("%s decode steps run on torch ops because %s", config.family, "; ".join(reasons))
+            logger.warning("%s decode steps run on torch ops because %s", config.family, "; ".join(reasons))
         self.decode_layer_tensors = [
             (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, *norms)
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)

@@ -15,11 +15,22 @@ from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from kvserve.model.gguf import GGUFTokenizerData
 from kvserve.model.tokenizer_spm import CONTROL_TOKEN_TYPE, sentencepiece_tokenizer
 
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) whose regex differs from GPT-2's, with the regex
+# their merges were learned on (as transformers' GGUF loader splits them): Llama 3's and Qwen2's.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+FAMILY_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 # The families' end-of-turn tokens besides EOS (ChatML's, Llama 3's, Gemma's): generation stops at any
 # of them that the vocabulary has.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
@@ -65,7 +76,15 @@ class TokenizerWrapper:
         merges = [tuple(m.split(" ", 1)) for m in data.merges]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if data.pre_tokenizer in _DIGIT_SPLITTING_PRE_TOKENIZERS:
+        split = FAMILY_SPLITS.get(data.pre_tokenizer)
+        if split is not None:  # the family's own split, then bytes to the byte-level alphabet
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        elif data.pre_tokenizer in _DIGIT_SPLITTING_PRE_TOKENIZERS:
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         else:
             tok.pre_tokenizer = byte_level
