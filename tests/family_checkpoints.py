@@ -168,10 +168,11 @@ _GGUF_LAYER_NAMES = {
 
 
 def write_gguf(family: str, model, path: Path) -> None:
-    """The HF model as llama.cpp's converter writes it (float32 tensors), for the llama and qwen3 families."""
+    """The HF model as llama.cpp's converter writes it (float32 tensors), for the llama, qwen2 and qwen3 families."""
     from gguf import GGUFWriter
 
     config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = GGUFWriter(str(path), family)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -179,9 +180,9 @@ def write_gguf(family: str, model, path: Path) -> None:
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_tokenizer_model("gpt2")

@@ -28,7 +28,7 @@ from tests.family_checkpoints import (
 )
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-GGUF_FAMILIES = ["llama", "qwen3"]  # written with the gguf package's GGUFWriter, as llama.cpp's converter does
+GGUF_FAMILIES = ["llama", "qwen2", "qwen3"]  # written with the gguf package's GGUFWriter, as llama.cpp's converter does
 WINDOWED = ["mistral", "gemma3"]
 NEW_TOKENS = 32
 _gen = torch.Generator().manual_seed(7)
@@ -82,7 +82,8 @@ def test_greedy_equals_hf_one_at_a_time_and_batched(checkpoints, family, prefix_
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_gguf_of_the_checkpoint_equals_hf(checkpoints, family):
-    """The same weights as llama.cpp writes them (Llama: q/k rows permuted, llama3 RoPE as rope_freqs)."""
+    """The same weights as llama.cpp writes them (Llama: q/k rows permuted, llama3 RoPE as rope_freqs;
+    Qwen2: q/k/v biases; Qwen3: q/k norms)."""
     directory, expected = checkpoints[family]
     outs = kvserve_llm(directory / "model.gguf").generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
