@@ -115,10 +115,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.model = LlamaModel(mcfg, loaded.weights, self.dtype, self.device, self.max_model_len)
-        self.fingerprint = hashlib.sha256(
-            repr((loaded.weights_id, str(self.dtype), mcfg.rope_theta, mcfg.rope_scaling, mcfg.head_dim)).encode()
-        ).hexdigest()[:32]
+        self.model = LlamaModel(mcfg, loaded.load_weights(self.dtype), self.dtype, self.device, self.max_model_len)
+        # Everything that decides a block's K/V: the weights, the dtype and the whole architecture (RoPE,
+        # windows, norms; the config is a frozen dataclass of plain values, so its repr is stable).
+        self.fingerprint = hashlib.sha256(repr((loaded.weights_id, str(self.dtype), mcfg)).encode()).hexdigest()[:32]
         block_size = config.block_size
         num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_memory_bytes // KVCache.bytes_per_block(self.model, block_size)
@@ -143,7 +143,7 @@ class LLMEngine:
         self.attention_backend = (
             default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend
         )
-        attention = get_attention_backend(self.attention_backend, self.device)
+        attention = get_attention_backend(self.attention_backend, self.device, windowed=mcfg.has_windows)
         self.runner = ModelRunner(self.model, self.cache, attention)
         self.draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
         self.speculator = Speculator(config.speculative, self.draft) if config.speculative else None

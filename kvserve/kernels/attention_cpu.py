@@ -15,7 +15,7 @@ import torch
 
 from kvserve.kernels import cpu
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
-from kvserve.kernels.attention_sdpa import prefill_rows
+from kvserve.kernels.attention_sdpa import prefill_rows, sdpa_attention
 from kvserve.kernels.metadata import AttentionMetadata
 
 # Sequences with more new tokens than a decode row go to the AMX kernel while they have at most this
@@ -31,8 +31,13 @@ def cpu_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Packed varlen causal attention over the paged cache. q: [T, Hq, D] (rows may be strided)."""
+    """Packed varlen causal attention over the paged cache. q: [T, Hq, D] (rows may be strided).
+    The compiled kernel has no sliding window: windowed layers run on torch SDPA (get_attention_backend
+    says so at load)."""
+    if window is not None:
+        return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
     kernels = cpu.load()
     if kernels is None:
         raise RuntimeError("attention_backend 'cpu' needs kvserve's compiled CPU kernels (see kvserve/kernels/cpu)")

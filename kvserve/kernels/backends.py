@@ -1,9 +1,10 @@
-"""Attention backends by name: every one computes the same function, (q, k_cache, v_cache, meta, scale)
--> out, and is chosen by the engine's `attention_backend` config field."""
+"""Attention backends by name: every one computes the same function, (q, k_cache, v_cache, meta, scale,
+window=None) -> out, and is chosen by the engine's `attention_backend` config field."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 
 import torch
@@ -15,7 +16,8 @@ from kvserve.kernels.attention_ref import paged_reference_attention
 from kvserve.kernels.attention_sdpa import sdpa_attention
 from kvserve.kernels.metadata import AttentionMetadata
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+logger = logging.getLogger(__name__)
+AttentionFn = Callable[..., torch.Tensor]
 BACKEND_NAMES = ("tiled", "reference", "sdpa", "triton", "cpu", "auto_cpu")
 
 
@@ -31,15 +33,20 @@ TILED_FROM_TOTAL_KEYS = 32_768
 
 
 def auto_cpu_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """The compiled CPU kernels where they build; otherwise, per batch, the faster of the tiled
-    kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
-    if cpu.load() is not None:
+    """The compiled CPU kernels where they build (and the layer has no window); otherwise, per batch,
+    the faster of the tiled kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    if window is None and cpu.load() is not None:
         return cpu_attention(q, k_cache, v_cache, meta, scale)
     if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
-        return tiled_attention(q, k_cache, v_cache, meta, scale)
-    return sdpa_attention(q, k_cache, v_cache, meta, scale)
+        return tiled_attention(q, k_cache, v_cache, meta, scale, window)
+    return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
 
 
 def runs_compiled_decode(attention: AttentionFn) -> bool:
@@ -48,7 +55,15 @@ def runs_compiled_decode(attention: AttentionFn) -> bool:
     return attention in (cpu_attention, auto_cpu_attention) and cpu.load() is not None
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionFn:
+def get_attention_backend(name: str, device: torch.device | str, windowed: bool = False) -> AttentionFn:
+    """The backend `name`; `windowed`: the model has sliding-window layers."""
+    if windowed and name == "triton":
+        raise ValueError(
+            "attention_backend 'triton' has no sliding window yet; this model has sliding-window layers: "
+            "use one of 'sdpa', 'tiled', 'reference', 'cpu', 'auto_cpu'"
+        )
+    if windowed and name in ("cpu", "auto_cpu") and cpu.load() is not None:
+        logger.warning("sliding-window layers run attention on torch ops because the compiled CPU kernel has no window")
     if name == "auto_cpu":
         return auto_cpu_attention
     if name == "tiled":

@@ -1,7 +1,8 @@
 """Text <-> token ids, the chat template, and incremental detokenization for streaming.
 
 Built on the `tokenizers` library either from a tokenizer.json (HF directories) or from a GGUF's
-vocabulary and merges. For byte-level BPE every token maps to fixed bytes, so decoding a suffix of
+vocabulary: byte-level BPE with its merges (gpt2), or a SentencePiece-style vocabulary (Gemma's; see
+tokenizer_spm.py). Every token maps to fixed bytes (byte fallback included), so decoding a suffix of
 the ids gives exactly the suffix of the text once the bytes form complete UTF-8 characters.
 """
 
@@ -17,11 +18,25 @@ from typing import Any
 
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from kvserve.model.gguf import GGUFTokenizerData
+from kvserve.model.tokenizer_spm import CONTROL_TOKEN_TYPE, sentencepiece_tokenizer
 
-_CONTROL_TOKEN_TYPE = 3
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) whose regex differs from GPT-2's, with the regex
+# their merges were learned on (as transformers' GGUF loader splits them): Llama 3's and Qwen2's.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+FAMILY_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+# The families' end-of-turn tokens besides EOS (ChatML's, Llama 3's, Gemma's): generation stops at any
+# of them that the vocabulary has.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
 # llama.cpp's pre-tokenizer names whose split differs from GPT-2's: digits are split one by one.
 _DIGIT_SPLITTING_PRE_TOKENIZERS = {"smollm", "starcoder", "refact", "deepseek-coder"}
 
@@ -54,11 +69,31 @@ class TokenizerWrapper:
     # ---- construction ----
     @classmethod
     def from_gguf(cls, data: GGUFTokenizerData) -> TokenizerWrapper:
+        tok = sentencepiece_tokenizer(data) if data.model == "llama" else cls._byte_level_bpe(data)
+        return cls(
+            tok,
+            eos_token_id=data.eos_token_id,
+            bos_token_id=data.bos_token_id,
+            add_bos_token=data.add_bos_token,
+            chat_template=data.chat_template,
+            extra_stop_token_ids=_end_of_turn_ids(tok),
+        )
+
+    @staticmethod
+    def _byte_level_bpe(data: GGUFTokenizerData) -> Tokenizer:
         vocab = {token: index for index, token in enumerate(data.tokens)}
         merges = [(left, right) for left, right in (m.split(" ", 1) for m in data.merges)]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if data.pre_tokenizer in _DIGIT_SPLITTING_PRE_TOKENIZERS:
+        split = FAMILY_SPLITS.get(data.pre_tokenizer)
+        if split is not None:  # the family's own split, then bytes to the byte-level alphabet
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        elif data.pre_tokenizer in _DIGIT_SPLITTING_PRE_TOKENIZERS:
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         else:
             tok.pre_tokenizer = byte_level
@@ -66,18 +101,10 @@ class TokenizerWrapper:
         control = [
             AddedToken(token, special=True, normalized=False)
             for token, kind in zip(data.tokens, data.token_types, strict=False)
-            if kind == _CONTROL_TOKEN_TYPE
+            if kind == CONTROL_TOKEN_TYPE
         ]
         tok.add_special_tokens(control)
-        im_end = vocab.get("<|im_end|>")
-        return cls(
-            tok,
-            eos_token_id=data.eos_token_id,
-            bos_token_id=data.bos_token_id,
-            add_bos_token=data.add_bos_token,
-            chat_template=data.chat_template,
-            extra_stop_token_ids=[im_end] if im_end is not None else [],
-        )
+        return tok
 
     @classmethod
     def from_hf_dir(cls, directory: Path, config: dict[str, Any]) -> TokenizerWrapper:
@@ -100,14 +127,13 @@ class TokenizerWrapper:
         eos = config.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else [eos]
         eos_id = eos_ids[0] if eos_ids and eos_ids[0] is not None else token_id(tok_config.get("eos_token"))
-        im_end = tok.token_to_id("<|im_end|>")
         return cls(
             tok,
             eos_token_id=eos_id,
             bos_token_id=config.get("bos_token_id"),
             add_bos_token=bool(tok_config.get("add_bos_token", False)),
             chat_template=tok_config.get("chat_template"),
-            extra_stop_token_ids=[t for t in (*eos_ids[1:], im_end) if t is not None],
+            extra_stop_token_ids=[t for t in (*eos_ids[1:], *_end_of_turn_ids(tok)) if t is not None],
         )
 
     # ---- text ----
@@ -224,6 +250,10 @@ class TokenizerWrapper:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+def _end_of_turn_ids(tok: Tokenizer) -> list[int]:
+    return [i for i in (tok.token_to_id(t) for t in END_OF_TURN_TOKENS) if i is not None]
 
 
 def _raise_template_error(message: str) -> None:
