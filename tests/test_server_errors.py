@@ -33,9 +33,7 @@ class FailingEngine:
         self.tokenizer = load_tokenizer("smollm2-135m-instruct")
         self.submitted: list[list[int]] = []
 
-    async def submit(
-        self, request_id: str, prompts: Sequence[Any], params: SamplingParams, *_: Any
-    ) -> RequestStream:
+    async def submit(self, request_id: str, prompts: Sequence[Any], params: SamplingParams, *_: Any) -> RequestStream:
         self.submitted.extend(prompts)
         await asyncio.sleep(0)
         raise KeyError("injected bug")
