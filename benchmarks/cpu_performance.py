@@ -1,6 +1,6 @@
 """CPU performance, side by side in one run: kvserve offline, kvserve served over HTTP, HF transformers,
-and any peer servers you have running (vLLM-CPU, llama.cpp's llama-server; see ../shared/peers/ for
-their set-up), all on the same model, workload and dtype.
+and any peer servers you have running (vLLM-CPU, llama.cpp's llama-server, set up outside this
+repository), all on the same model, workload and dtype.
 
 Rows:
 - offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py);
