@@ -21,7 +21,7 @@ from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.chat import with_default_tool_prompt
 from kvserve.server.openai_api import build_app
 from kvserve.server.testing import ServerThread
-from kvserve.server.tools import CALL_OPEN, DEFAULT_TOOL_PROMPT, ToolCallStream
+from kvserve.server.tools import CALL_CLOSE, CALL_OPEN, DEFAULT_TOOL_PROMPT, ToolCallStream, call_grammar
 
 pytestmark = pytest.mark.slow
 
@@ -211,6 +211,28 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_as_sent(server:
         "[tool get_weather][tool get_time]<user>Time?<assistant>(call call_9 get_time {})<tool>noon(answers call_9)"
     )
     assert params.structured is not None and params.structured.kind == "lark"
+
+
+def test_parameters_with_their_own_defs_keep_their_refs(server: ServerThread) -> None:
+    from kvserve.model.registry import load_model
+    from kvserve.structured.grammar import new_matcher
+
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    send = {"$defs": {"Addr": address}, "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"}}}
+    count = {"definitions": {"Addr": {"type": "integer"}}, "type": "object"}
+    count["properties"] = {"n": {"$ref": "#/definitions/Addr"}}
+    grammar = call_grammar(
+        [{"name": "send", "parameters": send}, {"name": "count", "parameters": count}], "required", True
+    )
+    tokenizer = load_model(MODEL).tokenizer
+
+    def accepted(calls: list[dict]) -> bool:
+        ids = tokenizer.encode("".join(CALL_OPEN + json.dumps(c) + CALL_CLOSE for c in calls))
+        return new_matcher(grammar, tokenizer).validate_tokens(ids) == len(ids)
+
+    assert accepted([{"name": "send", "arguments": {"to": {"city": "X"}}}, {"name": "count", "arguments": {"n": 3}}])
+    assert not accepted([{"name": "count", "arguments": {"n": "three"}}])  # count's Addr, not send's
+    assert not accepted([{"name": "send", "arguments": {"to": 3}}])
 
 
 BAD = [
