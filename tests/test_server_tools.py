@@ -4,11 +4,13 @@ function's schema; the history's assistant calls and tool messages reach the pro
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -19,7 +21,7 @@ from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.chat import with_default_tool_prompt
 from kvserve.server.openai_api import build_app
 from kvserve.server.testing import ServerThread
-from kvserve.server.tools import CALL_OPEN, DEFAULT_TOOL_PROMPT, ToolCallStream
+from kvserve.server.tools import CALL_CLOSE, CALL_OPEN, DEFAULT_TOOL_PROMPT, ToolCallStream, call_grammar
 
 pytestmark = pytest.mark.slow
 
@@ -179,6 +181,60 @@ def test_history_with_calls_and_tool_results_reaches_the_prompt() -> None:
     assert rendered[3] == messages[2]  # role, content and tool_call_id intact
 
 
+def test_a_template_that_renders_tools_gets_them_and_the_history_as_sent(server: ServerThread) -> None:
+    from kvserve.model.registry import load_model
+    from kvserve.server.chat import ChatFlavor
+    from kvserve.server.protocol import ChatCompletionRequest
+
+    tokenizer = copy.copy(load_model(MODEL).tokenizer)
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}(call {{ c.id }} {{ c.function.name }} "
+        "{{ c.function.arguments }}){% endfor %}"
+        "{% if m.tool_call_id %}(answers {{ m.tool_call_id }}){% endif %}{% endfor %}"
+    )
+    assert tokenizer.renders_tools and not load_model(MODEL).tokenizer.renders_tools
+    call = {"id": "call_9", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "user", "content": "Time?"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "noon", "tool_call_id": "call_9"},
+            ],
+            "tools": TOOLS,
+        }
+    )
+    [prompt], params = ChatFlavor(tokenizer, 2048).prepare(body)
+    assert tokenizer.decode(prompt) == (
+        "[tool get_weather][tool get_time]<user>Time?<assistant>(call call_9 get_time {})<tool>noon(answers call_9)"
+    )
+    assert params.structured is not None and params.structured.kind == "lark"
+
+
+def test_parameters_with_their_own_defs_keep_their_refs(server: ServerThread) -> None:
+    from kvserve.model.registry import load_model
+    from kvserve.structured.grammar import new_matcher
+
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    send = {"$defs": {"Addr": address}, "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"}}}
+    count = {"definitions": {"Addr": {"type": "integer"}}, "type": "object"}
+    count["properties"] = {"n": {"$ref": "#/definitions/Addr"}}
+    grammar = call_grammar(
+        [{"name": "send", "parameters": send}, {"name": "count", "parameters": count}], "required", True
+    )
+    tokenizer = load_model(MODEL).tokenizer
+
+    def accepted(calls: list[dict]) -> bool:
+        ids = tokenizer.encode("".join(CALL_OPEN + json.dumps(c) + CALL_CLOSE for c in calls))
+        return new_matcher(grammar, tokenizer).validate_tokens(ids) == len(ids)
+
+    assert accepted([{"name": "send", "arguments": {"to": {"city": "X"}}}, {"name": "count", "arguments": {"n": 3}}])
+    assert not accepted([{"name": "count", "arguments": {"n": "three"}}])  # count's Addr, not send's
+    assert not accepted([{"name": "send", "arguments": {"to": 3}}])
+
+
 BAD = [
     ({"tool_choice": "auto"}, "tool_choice is only allowed when tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
@@ -219,6 +275,16 @@ def test_response_format_and_vllm_fields_through_the_openai_client(client: opena
         model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, extra_body={"guided_choice": ["yes", "no"]}
     )
     assert choice.choices[0].text in ("yes", "no")
+    truncated = "kvserve_structured_output_truncated_total"
+    before = _metric(client, truncated)
+    cut = client.chat.completions.create(model=MODEL, messages=ask, response_format=fmt, temperature=0, max_tokens=3)
+    assert cut.choices[0].finish_reason == "length"
+    assert _metric(client, truncated) == before + 1
+
+
+def _metric(client: openai.OpenAI, name: str) -> float:
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def test_langchain_bind_tools_and_structured_output(server: ServerThread) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jinja2 import TemplateError
@@ -64,8 +65,8 @@ class ChatFlavor:
         if body.tool_mode != "none":
             # A named function is called exactly once (as vLLM and OpenAI do); otherwise parallel unless refused.
             parallel = body.parallel_tool_calls is not False and not isinstance(body.tool_choice, NamedToolChoice)
-            params.structured = call_grammar(body.callable_functions(), body.tool_mode, parallel)
-            params.__post_init__()  # re-check the combination (ignore_eos, min_tokens)
+            grammar = call_grammar(body.callable_functions(), body.tool_mode, parallel)
+            params = dataclasses.replace(params, structured=grammar)  # re-validated (ignore_eos, min_tokens)
         return [prompt_ids], params
 
     def response(self, meta: ResponseMeta, outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:

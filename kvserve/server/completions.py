@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -27,7 +28,7 @@ class CompletionsFlavor:
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
         params = body.sampling_params(max_tokens, body.logprobs)
         if body.echo:
-            params.prompt_logprobs = body.logprobs
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         return prompts, params
 
     def response(self, meta: ResponseMeta, outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:

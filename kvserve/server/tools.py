@@ -1,7 +1,7 @@
 """Tool calling: the default tool prompt, the grammar a call is generated under, and parsing calls
 out of the generated text.
 
-Wire format (Hermes-style, what SmolLM2-class models imitate best): each call is
+Wire format (Hermes-style, as Qwen's and NousResearch's templates write calls): each call is
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. A model whose chat template renders
 `tools` itself gets the tools through its template; otherwise (SmolLM2's template does not) the
 default prompt below is appended to the system message and earlier assistant calls are written into
@@ -66,21 +66,21 @@ def format_call(name: str, arguments: str) -> str:
 
 def call_grammar(functions: list[dict[str, Any]], mode: str, parallel: bool) -> StructuredOutput:
     """mode "required" (functions: all tools, or the one named): only calls; "auto": text or calls."""
-    call_schema = {
-        "anyOf": [
+    defs: dict[str, Any] = {}
+    alternatives = []
+    for f in functions:
+        parameters = _hoist_defs(f.get("parameters") or {"type": "object", "properties": {}}, f["name"], defs)
+        alternatives.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": f["name"]},
-                    "arguments": f.get("parameters") or {"type": "object", "properties": {}},
-                },
+                "properties": {"name": {"const": f["name"]}, "arguments": parameters},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for f in functions
-        ],
-        "x-guidance": {"whitespace_pattern": WHITESPACE},
-    }
+        )
+    call_schema: dict[str, Any] = {"anyOf": alternatives, "x-guidance": {"whitespace_pattern": WHITESPACE}}
+    if defs:
+        call_schema["$defs"] = defs
     calls = "call+" if parallel else "call"
     start = f"start: {calls}" if mode == "required" else f"start: TEXT | {calls}"
     lark = "\n".join(
@@ -93,6 +93,31 @@ def call_grammar(functions: list[dict[str, Any]], mode: str, parallel: bool) -> 
         ]
     )
     return StructuredOutput("lark", lark)
+
+
+def _hoist_defs(parameters: dict[str, Any], function: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A parameters schema's own $defs (or definitions), moved to the call schema's root under names
+    prefixed by the function, with its local $refs rewritten: nested in the call schema, "#/$defs/x"
+    would otherwise point at the root's."""
+    local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    if not local:
+        return parameters
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = node.get("$ref")
+            for prefix in ("#/$defs/", "#/definitions/"):
+                if isinstance(ref, str) and ref.startswith(prefix):
+                    out["$ref"] = f"#/$defs/{function}__{ref.removeprefix(prefix)}"
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for name, schema in local.items():
+        defs[f"{function}__{name}"] = rewrite(schema)
+    return rewrite(parameters)
 
 
 def parse_calls(text: str) -> tuple[str | None, list[ParsedCall]]:

@@ -1,9 +1,9 @@
 """What a constrained request must produce (`StructuredOutput`) and its grammar for llguidance.
 
 llguidance was chosen over xgrammar by measurement (docs/structured_output.md, benchmarks/
-grammar_engines.py): it compiles a new schema in about a millisecond where xgrammar takes tens, which
-is what tool calling with per-request schemas pays; its per-step mask is the slower of the two but
-a small share of a CPU decode step; and it installs alone, where xgrammar pulls triton.
+grammar_engines.py): it compiles a new schema far faster, which is what tool calling with
+per-request schemas pays for; its per-step mask, the slower of the two, is a small share of a CPU
+decode step; and it installs alone, where xgrammar pulls triton.
 
 JSON answers: whitespace between JSON tokens is bounded (WHITESPACE), so an answer cannot run to
 max_tokens on blank space; the mask allows end-of-sequence exactly when the value is complete.
