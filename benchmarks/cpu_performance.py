@@ -1,6 +1,6 @@
 """CPU performance, side by side in one run: kvserve offline, kvserve served over HTTP, HF transformers,
-and any peer servers you have running (vLLM-CPU, llama.cpp's llama-server; see ../shared/peers/ for
-their set-up), all on the same model, workload and dtype.
+and any peer servers you have running (vLLM-CPU, llama.cpp's llama-server, set up outside this
+repository), all on the same model, workload and dtype.
 
 Rows:
 - offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py);
@@ -239,10 +239,10 @@ def main() -> None:
 
     results: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     # The served rows run first, before this process loads and frees engines and HF models of its own.
-    # Run after the bf16-vs-fp32 agreement rows, kvserve's first served run (all at once) had TTFT p50
-    # 3.3-3.7 s in three runs and 5-10 % less throughput, against 1.7-2.1 s in five runs after nothing
-    # or after the offline, HF or batch-1 rows alone. Which resource of the VM that churn ties up was
-    # not found (no CPU is used meanwhile); a server should not pay for its benchmark client's history.
+    # Run after the bf16-vs-fp32 agreement rows, kvserve's first served run (all at once) was markedly
+    # slower than after nothing or after the offline, HF or batch-1 rows alone (figures:
+    # benchmarks/RESULTS.md, "Figures behind the code's rules"). Which resource of the VM that churn ties up was not
+    # found (no CPU is used meanwhile); a server should not pay for its benchmark client's history.
     served: list[dict[str, Any]] = []
     if not args.skip_served:
         launches = dict(launch.split("=", 1) for launch in args.peer_launch)

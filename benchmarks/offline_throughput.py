@@ -61,7 +61,8 @@ def load_hf(dtype: str) -> TimedBatch:
     path = bundled_gguf_path()
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     # Loaded outside torch.inference_mode(), as a user loads it: loaded inside, its parameters are inference
-    # tensors, and bf16 generate() then ran 1.6x slower here (68 % of its time in aten::copy_).
+    # tensors, and bf16 generate() then runs much slower, mostly in aten::copy_ (see the correction note
+    # at the top of benchmarks/RESULTS.md).
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0

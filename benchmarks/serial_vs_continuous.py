@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench import workload
+from kvserve.bench.data import BOOK_WORKLOADS
 from kvserve.bench.offline import OfflineConfig, replay_offline
 from kvserve.bench.plot import plot_timeline
 from kvserve.bench.replay import ReplayConfig, replay
@@ -29,7 +30,7 @@ from kvserve.bench.report import fmt
 from kvserve.bench.results import build_results
 
 ROOT = Path(__file__).resolve().parents[1]
-BOOK_WORKLOAD = ROOT.parent / "shared" / "workloads" / "ch31-example.jsonl"
+BOOK_WORKLOAD = BOOK_WORKLOADS / "ch31-example.jsonl"
 
 
 def run_schedule(name: str, requests: list[workload.WorkloadRequest], args: argparse.Namespace) -> dict[str, Any]:

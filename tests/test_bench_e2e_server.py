@@ -13,12 +13,13 @@ import httpx
 import pytest
 
 from kvserve.bench import workload
+from kvserve.bench.data import BOOK_WORKLOADS
 from kvserve.bench.replay import ReplayConfig, replay
 from kvserve.bench.results import build_results
 from kvserve.bench.workload import WorkloadRequest
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = ROOT.parent / "shared" / "workloads"
+WORKLOADS = BOOK_WORKLOADS
 START_TIMEOUT_S = 180
 
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvserve.bench import workload
+from kvserve.bench.data import BOOK_WORKLOADS
 from kvserve.bench.offline import OfflineConfig, replay_offline
 from kvserve.bench.results import build_results
 
-WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+WORKLOADS = BOOK_WORKLOADS
 
 
 @pytest.mark.slow

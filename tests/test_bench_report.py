@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvserve.bench.cli import register
+from kvserve.bench.data import BOOK_WORKLOADS
 from kvserve.bench.records import load_schedule_csv
 from kvserve.bench.report import compare, markdown
 from kvserve.bench.results import build_results, load_results, records_of, save_results
 
-WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+WORKLOADS = BOOK_WORKLOADS
 
 
 def book(schedule: str) -> dict:

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvserve.bench import generators, workload
+from kvserve.bench.data import BOOK_WORKLOADS
 from kvserve.bench.generators import LengthDist
 from kvserve.bench.workload import SAFE_TOKEN_RANGE, WorkloadRequest
 
-WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+WORKLOADS = BOOK_WORKLOADS
 
 
 def test_the_books_workload_loads() -> None:

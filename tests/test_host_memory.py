@@ -74,3 +74,37 @@ def test_return_freed_memory_gives_the_kept_heap_back() -> None:
     env = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
     out = subprocess.run([sys.executable, "-c", RETURN_PROBE], capture_output=True, text=True, env=env, check=True)
     assert float(out.stdout.strip()) > 30  # of the 40 MB freed
+
+
+# Resident MB given back by return_freed_memory_beyond(retained) after 40 MB of heap blocks are freed:
+# nothing while the free heap is within the retained amount, most of it once the amount is smaller.
+BEYOND_PROBE = """
+import os, sys, torch
+from kvserve.engine.host_memory import free_heap_bytes, keep_freed_memory, return_freed_memory_beyond
+def resident_mb():
+    return int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+assert keep_freed_memory()
+blocks = [torch.ones(2**20) for _ in range(10)]  # 10 x 4 MB
+del blocks
+assert free_heap_bytes() >= 40 * 2**20
+kept = resident_mb()
+returned = return_freed_memory_beyond(int(sys.argv[1]) * 2**20)
+print(returned, kept - resident_mb())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_return_freed_memory_beyond_keeps_what_it_may_and_returns_the_excess() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in USER_SETTINGS}
+
+    def run(retained_mb: int) -> tuple[str, float]:
+        out = subprocess.run(
+            [sys.executable, "-c", BEYOND_PROBE, str(retained_mb)], capture_output=True, text=True, env=env, check=True
+        )
+        returned, given_back = out.stdout.split()
+        return returned, float(given_back)
+
+    returned, given_back = run(256)
+    assert returned == "False" and given_back < 5
+    returned, given_back = run(8)
+    assert returned == "True" and given_back > 30

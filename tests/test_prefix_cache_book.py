@@ -7,14 +7,13 @@ and only once A has computed them; C shares nothing. Exact tokens at exact posit
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from kvserve.bench.data import BOOK_WORKLOADS
 from kvserve.bench.workload import load
 from tests.prefix_cache_fakes import FakeEngine
 
-WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+WORKLOADS = BOOK_WORKLOADS
 EXAMPLE = {r.id: r.input_ids or [] for r in load(WORKLOADS / "ch31-example.jsonl")}
 A, B, C = EXAMPLE["A"], EXAMPLE["B"], EXAMPLE["C"]
 

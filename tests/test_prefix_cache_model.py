@@ -9,11 +9,11 @@ a partial block was shared), and every forward pass costs seconds on a busy CPU.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.data import BOOK_WORKLOADS
 from kvserve.bench.workload import load
 from kvserve.config import EngineConfig
 from kvserve.engine import engine as engine_module
@@ -24,7 +24,7 @@ from kvserve.model.registry import load_model
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 FIRST_TOKEN = dataclasses.replace(GREEDY, max_tokens=1)  # enough where only admission matters
-WORKLOADS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads"
+WORKLOADS = BOOK_WORKLOADS
 
 
 def engines(**config: object) -> tuple[LLM, LLM]:

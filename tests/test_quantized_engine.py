@@ -35,7 +35,8 @@ def llm_native() -> LLM:
 
 
 def test_the_loader_keeps_the_blocks_and_they_hold_the_dequantized_values() -> None:
-    native, dense = load_model(DEFAULT_MODEL, keep_quantized=True).weights, load_model(DEFAULT_MODEL).weights
+    loaded = load_model(DEFAULT_MODEL)
+    native, dense = loaded.load_weights(torch.float32, keep_quantized=True), loaded.load_weights(torch.float32)
     for name in PROJECTIONS:  # q and k rows un-permuted as in the dense load, the fused parts in order
         weight = getattr(native.layers[3], name)
         assert isinstance(weight, QuantizedTensor) and weight.qtype == GGMLQuantizationType.Q4_1

@@ -305,7 +305,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stream_options": "yes"}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages must not be empty"),

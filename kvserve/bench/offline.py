@@ -56,7 +56,10 @@ def _params(req: WorkloadRequest, cfg: OfflineConfig) -> Any:
 
 def _prompt(engine: Any, req: WorkloadRequest, cfg: OfflineConfig) -> str | list[int]:
     if req.prompt is None:
-        return token_ids_for(req, cfg.seed)
+        ids = token_ids_for(req, cfg.seed)
+        if ids is None:
+            raise ValueError(f"workload request {req.id!r} has none of prompt, input_ids, input_len")
+        return ids
     if cfg.chat:
         return engine.tokenizer.encode_chat([{"role": "user", "content": req.prompt}])
     return req.prompt

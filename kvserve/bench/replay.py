@@ -9,9 +9,8 @@ excluded from every record.
 
 The client shares the machine's cores with the server it measures, and on a two-core machine every
 CPU-millisecond it spends is about a wall-millisecond taken from a lockstep engine, so it is kept
-light: aiohttp (its C HTTP parser) on uvloop where installed. Measured against `kvserve serve`, 100 x
-128/128 all at once, client CPU per run: httpx 1.8-2.0 s (~150 us per event), aiohttp 0.58 s, aiohttp
-on uvloop 0.45 s.
+light: aiohttp (its C HTTP parser) on uvloop where installed, the cheapest of the clients measured
+(figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 """
 
 from __future__ import annotations

@@ -42,4 +42,11 @@ def save_results(results: dict[str, Any], path: str | Path) -> None:
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    """Raises ValueError naming the file when it is not a results JSON file."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: expected a results JSON file (from `kvserve bench`); not JSON: {exc}") from None
+    if not isinstance(results, dict) or "requests" not in results:
+        raise ValueError(f"{path}: expected a results JSON file (from `kvserve bench`) with a 'requests' list")
+    return results

@@ -11,6 +11,8 @@ import logging
 import random
 import time
 from collections.abc import Sequence as Seq
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.host_memory import keep_freed_memory, return_freed_memory
+from kvserve.engine.logits_processors import process_logits
 from kvserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.prefix_cache import CacheKey
 from kvserve.engine.runner import KVCache, ModelRunner, spans_of
@@ -25,6 +28,7 @@ from kvserve.engine.sampler import sample_rows, token_logprobs
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Request, Sequence
+from kvserve.engine.step_trace import StepTrace, work_of
 from kvserve.engine.stop_checker import append_token
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 from kvserve.model import linear
@@ -34,6 +38,7 @@ from kvserve.model.registry import load_model
 from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
 from kvserve.spec.speculator import Speculator
+from kvserve.structured.masks import start_masks
 
 logger = logging.getLogger(__name__)
 # Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
@@ -66,9 +71,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def bf16_pays_on_cpu() -> bool:
     """Whether bf16 runs at least as fast as float32 here. With native support (AVX512-BF16 / AMX) it is
     faster everywhere. Without it, on AVX2 CPUs, kvserve's GEMV decodes batch 1 reading half the bytes
-    and oneDNN multiplies batches over the weights widened to float32, at float32's speed. Measured on a
-    2-core Zen 3 (benchmarks/RESULTS.md): batch-1 TPOT 22.8 vs 56.5 ms, offline 64 x 128/128 153.0 vs
-    152.4 tok/s, and bf16 halves the KV cache."""
+    and oneDNN multiplies batches over the weights widened to float32, at float32's speed; bf16 also
+    halves the KV cache. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules"."""
     if torch.backends.mkldnn.is_available() and _cpu_has_bf16():
         return True
     return linear.gemv_kernels() is not None and linear.onednn_packing_works(torch.float32)
@@ -95,6 +99,7 @@ class EngineCounters:
     requests_finished: int = 0
     requests_aborted: int = 0
     requests_failed: int = 0
+    structured_truncated: int = 0  # constrained samples ended by max_tokens or the context ("length")
 
 
 class LLMEngine:
@@ -106,20 +111,22 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()  # activations then reuse their pages: host_memory.py
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self._keep_quantized(config.quantization))
+        loaded = load_model(config.model)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.model = LlamaModel(mcfg, loaded.weights, self.dtype, self.device, self.max_model_len)
+        keep_quantized = self._keep_quantized(config.quantization)
+        weights = loaded.load_weights(self.dtype, keep_quantized)
+        self.model = LlamaModel(mcfg, weights, self.dtype, self.device, self.max_model_len)
         # Which matrices run from GGUF blocks ("none": all dequantized); the same file quantized or not
         # computes different values, so the prefix cache must not share blocks between the two.
-        self.quantization = loaded.weights.quantization()
+        self.quantization = weights.quantization()
         logger.info("%s: %s weights, quantized matrices: %s", loaded.name, self.dtype, self.quantization)
-        identity = (loaded.weights_id, str(self.dtype), self.quantization)
-        self.fingerprint = hashlib.sha256(
-            repr((*identity, mcfg.rope_theta, mcfg.rope_scaling, mcfg.head_dim)).encode()
-        ).hexdigest()[:32]
+        # Everything that decides a block's K/V: the weights, the dtype, the quantization and the whole
+        # architecture (RoPE, windows, norms; the config is a frozen dataclass of plain values, so its repr is stable).
+        identity = (loaded.weights_id, str(self.dtype), self.quantization, mcfg)
+        self.fingerprint = hashlib.sha256(repr(identity).encode()).hexdigest()[:32]
         block_size = config.block_size
         num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_memory_bytes // KVCache.bytes_per_block(self.model, block_size)
@@ -128,6 +135,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             return_freed_memory()  # the load's copies of the weights: host_memory.py
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        # The most tokens (prompt + output) one sequence can hold: the context, and the whole KV pool.
+        self.max_sequence_len = min(self.max_model_len, num_blocks * block_size)
         # Decode-only steps have at most max_num_seqs rows (without drafts, which turn row blocks off): past
         # AMX_MAX_ROWS they leave linear_amx, and its row blocks stop mattering.
         row_block = self.model.product_row_block if config.max_num_seqs <= linear.AMX_MAX_ROWS else None
@@ -142,7 +151,7 @@ class LLMEngine:
         self.attention_backend = (
             default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend
         )
-        attention = get_attention_backend(self.attention_backend, self.device)
+        attention = get_attention_backend(self.attention_backend, self.device, windowed=mcfg.has_windows)
         self.runner = ModelRunner(self.model, self.cache, attention)
         self.draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
         self.speculator = Speculator(config.speculative, self.draft) if config.speculative else None
@@ -150,6 +159,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._order = 0
         self.counters = EngineCounters()
+        # Set by whoever wants a record of every step (the server's live view): step_trace.py.
+        self.step_trace: StepTrace | None = None
 
     def _keep_quantized(self, quantization: str) -> bool:
         """Whether GGUF weights stay in their blocks: `--quantization auto` where the quantized kernels run."""
@@ -177,6 +188,7 @@ class LLMEngine:
             raise ValueError("cache_salt must be a string")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self.validate_lengths(len(prompt_ids), params)
+        self._validate_token_ids(params)
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
         request = Request(
@@ -191,9 +203,10 @@ class LLMEngine:
             base_seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(62),
             tokenizer=self.tokenizer,
         )
+        first = request.new_sequence(0)  # raises ValueError for a grammar that does not compile
         self._order += 1
         self.requests[request_id] = request
-        self.scheduler.add(request.new_sequence(0))
+        self.scheduler.add(first)
 
     def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -228,6 +241,12 @@ class LLMEngine:
                 f"prompt + max_tokens needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
             )
 
+    def _validate_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} names a token id outside the vocabulary [0, {vocab})")
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, or None if unknown."""
         request = self.requests.pop(request_id, None)
@@ -255,7 +274,9 @@ class LLMEngine:
 
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:
+        began_wall, began = time.time(), time.perf_counter()
         proposals = self._plan_speculation()
+        grammar_masks = None
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -271,15 +292,20 @@ class LLMEngine:
             if self.speculator is not None:
                 proposals = self._draft(sched, proposals)
             spans = spans_of(sched)
+            grammar_masks = self._start_grammar_masks(sched)
             logits = self.runner.execute(spans)
             if self.draft is not None:
                 self.draft.observe(spans)
         except Exception as exc:  # a failing batch fails its requests, not the engine
             logger.exception("forward pass failed")
+            if grammar_masks is not None:
+                futures.wait([grammar_masks])  # its matchers are not touched while it runs
             return [self._fail(item.seq.request, exc) for item in sched.scheduled]
         if self.speculator is not None:
             self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
         self._count_step(sched)
+        trace = self.step_trace
+        work = work_of(sched) if trace is not None else []
 
         jobs: list[tuple[Sequence, int]] = []  # (sequence, logits row) to sample
         verifications: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, its k+1 logits rows)
@@ -293,21 +319,26 @@ class LLMEngine:
                 seq.num_computed_tokens += 1  # the fed token; accepted drafts are added on verification
                 verifications.append((seq, logits[row : row + item.num_logits]))
             else:
+                if seq.wants_prompt_logits:
+                    self._record_prompt_logprobs(seq, logits[row : row + item.num_logits])
                 seq.num_computed_tokens += item.num_new_tokens
-                if item.num_logits:
+                if item.num_logits and seq.num_computed_tokens >= seq.num_tokens:
                     jobs.extend(self._sampling_jobs(item, row))
             row += item.num_logits
         self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
 
         touched: dict[str, Request] = {}
-        emissions: list[tuple[Sequence, list[int], list]] = []
+        accepted: dict[tuple[str, int], int] = {}  # (request id, sample) -> drafts kept, for the trace
+        emissions: list[tuple[Sequence, list[int], list | None]] = []
         if jobs:
             seqs = [s for s, _ in jobs]
             try:
-                rows = [r for _, r in jobs]
-                in_order = rows == list(range(logits.shape[0]))  # the common case: no copy needed
-                selected = logits if in_order else logits.index_select(0, torch.tensor(rows, device=logits.device))
-                tokens = sample_rows(selected, [s.params for s in seqs], [s.generator for s in seqs])
+                job_rows = [r for _, r in jobs]
+                in_order = job_rows == list(range(logits.shape[0]))  # the common case: no copy needed
+                selected = logits if in_order else logits.index_select(0, torch.tensor(job_rows, device=logits.device))
+                masks = grammar_masks.result() if grammar_masks is not None else None
+                processed = process_logits(selected, seqs, [self._eos_of(s) for s in seqs], masks)
+                tokens = sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs])
                 logprobs = self._logprobs(selected, tokens, seqs)
             except Exception as exc:  # batched sampling failed: fail exactly the requests it served
                 logger.exception("sampling failed")
@@ -317,6 +348,7 @@ class LLMEngine:
                 for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
             )
         for seq, rows in verifications:
+            assert self.speculator is not None  # only a speculator puts draft tokens up for verification
             try:
                 emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
             except Exception as exc:
@@ -325,6 +357,7 @@ class LLMEngine:
                 self._fail(seq.request, exc)
                 continue
             seq.num_computed_tokens += len(emitted) - 1
+            accepted[seq.request.request_id, seq.index] = len(emitted) - 1
             seq.spec_tokens = []
             logprobs = self._logprobs(rows[: len(emitted)], emitted, [seq] * len(emitted))
             emissions.append((seq, emitted, logprobs))
@@ -343,8 +376,11 @@ class LLMEngine:
                 logger.exception("request %s failed while processing its output", request.request_id)
                 self._fail(request, exc)
         if verifications:
+            assert self.speculator is not None
             self.speculator.stats.steps += 1
             self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
+        if trace is not None:
+            trace.record(self, work, accepted, began_wall, began, touched.values())
         return [self._output_of(request) for request in touched.values()]
 
     def _count_step(self, sched: SchedulerOutput) -> None:
@@ -372,7 +408,9 @@ class LLMEngine:
         if self.speculator is None:
             return {}
         # A sequence's first token is never speculated: an n > 1 request forks its samples there.
-        decoding = [s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0]
+        decoding = [
+            s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0 and s.params.speculates
+        ]
         if not decoding:
             return {}
         prefill_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.in_prefill)
@@ -403,12 +441,39 @@ class LLMEngine:
             proposals[item.seq.seq_id] = proposal
         return proposals
 
+    def _start_grammar_masks(self, sched: SchedulerOutput) -> Future[dict[int, torch.Tensor]] | None:
+        """Start the grammar masks of the constrained sequences that sample this step (not verifying
+        drafts), to be computed while the forward pass runs."""
+        matchers = {
+            item.seq.seq_id: item.seq.matcher
+            for item in sched.scheduled
+            if item.seq.matcher is not None
+            and not item.seq.spec_tokens
+            and item.num_logits
+            and item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens
+        }
+        return start_masks(matchers, self.model.config.vocab_size) if matchers else None
+
     def _trim_blocks(self, seq: Sequence) -> None:
         """Release blocks that only held K/V of rejected drafts (positions >= num_tokens)."""
         keep = -(-seq.num_tokens // self.config.block_size)
         if len(seq.block_table) > keep:
             self.pool.free_blocks(seq.block_table[keep:])
             del seq.block_table[keep:]
+
+    def _record_prompt_logprobs(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """Rows are the logits at positions num_computed_tokens...: row j scores the token after it."""
+        request = seq.request
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # nothing scores the first prompt token
+        start = seq.num_computed_tokens
+        # Positions already recorded (a recomputation after preemption) and the sampling row are skipped.
+        first = len(request.prompt_logprobs) - 1 - start
+        last = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
+        if first < last:
+            targets = seq.token_ids[start + first + 1 : start + last + 1]
+            num_top = [seq.params.prompt_logprobs or 0] * len(targets)
+            request.prompt_logprobs.extend(token_logprobs(rows[first:last], targets, num_top))
 
     def _sampling_jobs(self, item: ScheduledSeq, row: int) -> list[tuple[Sequence, int]]:
         seq = item.seq
@@ -427,14 +492,20 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         self.counters.generated_tokens += 1
-        eos = [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
-        if not append_token(seq, token, eos, self.max_model_len):
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the grammar: {seq.matcher.get_error()}")
+        if not append_token(seq, token, self._eos_of(seq), self.max_model_len):
             return False
+        if seq.matcher is not None and seq.finish_reason == "length":
+            self.counters.structured_truncated += 1
         self.scheduler.remove(seq)
         if request.finished:
             request.metrics.finished_time = now
             self.counters.requests_finished += 1
         return True
+
+    def _eos_of(self, seq: Sequence) -> list[int]:
+        return [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         request.error = f"{type(exc).__name__}: {exc}"
@@ -479,5 +550,6 @@ class LLMEngine:
             "requests_finished": c.requests_finished,
             "requests_aborted": c.requests_aborted,
             "requests_failed": c.requests_failed,
+            "structured_truncated": c.structured_truncated,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

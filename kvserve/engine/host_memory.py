@@ -3,10 +3,10 @@
 glibc's malloc gives a block above its mmap threshold (128 KiB at first, then the size of the largest
 mmap'd block freed so far) fresh pages from mmap() and unmaps them on free; it also returns the top of
 the heap once more than the trim threshold of it is free. A prefill step's activations are tens of MB a
-layer, so on a fresh engine they kept arriving as new pages: ~95,000 minor page faults per 2,048-token
-step, 516-596 ms a step against 404-442 ms once the thresholds had drifted up (100 x 128-token prompts,
-bf16, 2 cores). Served, it fell on the first run a fresh `kvserve serve` took. With both thresholds
-fixed: 407-459 ms from the first step, and no faults after it.
+layer, so on a fresh engine they kept arriving as new pages, tens of thousands of minor page faults a
+step, and prefill steps ran markedly slower until the thresholds had drifted up; served, that fell on
+the first run a fresh `kvserve serve` took. With both thresholds fixed, steps run at full speed from the
+first one, with no faults after it. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 
 The price is that the process keeps its peak heap, as a server that sizes its memory up front expects.
 Loading is the exception: it frees copies of the weights (float32 from the checkpoint, the copies moved onto
@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -63,3 +64,34 @@ def return_freed_memory() -> bool:
         return False
     malloc_trim(0)
     return True
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc >= 2.33): every field a size_t."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes malloc holds free in all its arenas (mallinfo2's fordblks), or None without glibc >= 2.33."""
+    mallinfo2 = _glibc_function("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2  # type: ignore[attr-defined]
+    info: Any = mallinfo2()
+    return int(info.fordblks)
+
+
+def return_freed_memory_beyond(retained_bytes: int) -> bool:
+    """Hand freed heap back to the kernel when malloc holds more than retained_bytes of it; True if it did.
+
+    keep_freed_memory keeps what a step frees for the next step; a rare outlier (a huge request body, its
+    tokenization) would otherwise leave the process at its peak for good. Where the free total cannot be
+    read, the heap is trimmed."""
+    free = free_heap_bytes()
+    if free is not None and free <= retained_bytes:
+        return False
+    return return_freed_memory()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
@@ -30,9 +30,9 @@ class LLM:
         cache_salt: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. One params/salt for all prompts, or a list with one each."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt: text, or one list of token ids
-        prompts = list(prompts)
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        # A single prompt is text or one list of token ids.
+        prompts = [cast(Prompt, prompts)] if single else list(cast(Seq[Prompt], prompts))
         params_list = _per_prompt(params or SamplingParams(), len(prompts), "params", SamplingParams)
         salts = _per_prompt(cache_salt, len(prompts), "cache_salt", str)
         ids = []
@@ -55,7 +55,8 @@ class LLM:
         cache_salt: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) to one or many conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [cast(list[dict[str, Any]], messages)] if single else list(cast(Seq[list], messages))
         prompts = [self.tokenizer.encode_chat(conversation) for conversation in conversations]
         return self.generate(prompts, params, cache_salt)
 

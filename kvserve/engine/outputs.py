@@ -44,6 +44,8 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     # Conveniences for the common n == 1 case.
     @property

@@ -1,4 +1,4 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Turns logits into tokens: greedy, temperature, min-p, top-k, top-p, per-request seeded generators.
 
 `policy_probs` is the one definition of "the distribution a request samples from"; speculative
 decoding uses it for both the draft and the target so the same policy applies in both (§31.5).
@@ -15,9 +15,9 @@ from kvserve.kernels import cpu
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax: the first maximal index (a NaN counts as the maximum), in any float dtype.
-    On the CPU the compiled kernel (kernels/cpu/argmax_rows.cpp) reads the rows as they are: 100 rows
-    of 49,152 bf16 logits in ~1.4 ms against ~6.5 ms for widening them and torch's max(), with the cache
-    cold. Elsewhere max() over a dim, which is also first-maximal and 2.5x faster than argmax()."""
+    On the CPU the compiled kernel (kernels/cpu/argmax_rows.cpp) reads the rows as they are, without
+    widening them first. Elsewhere max() over a dim, which is also first-maximal and faster than argmax()
+    (figures: benchmarks/RESULTS.md, "Figures behind the code's rules")."""
     kernels = cpu.load() if logits.device.type == "cpu" else None
     if kernels is not None:
         return kernels.argmax_rows(logits)
@@ -25,11 +25,16 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def policy_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities [R, V] (float32) after temperature, top-k and top-p; greedy rows are one-hot."""
+    """Probabilities [R, V] (float32) after temperature, min-p, top-k and top-p; greedy rows are one-hot."""
     logits = logits.float()
     greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=logits.device)
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
     scaled = logits / temps[:, None]
+    min_ps = torch.tensor([p.min_p for p in params], device=logits.device)
+    if bool((min_ps > 0).any()):
+        # p(t) < min_p * p(top)  <=>  scaled(t) < scaled(top) + log(min_p), with no softmax needed.
+        floor = scaled.max(dim=-1, keepdim=True).values + min_ps.log()[:, None]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     top_ks = [p.top_k for p in params]
     if any(k > 0 for k in top_ks):
         max_k = max(top_ks)
@@ -75,7 +80,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) 
     result = []
     for row, token in enumerate(tokens):
         top = []
-        if num_top[row] and top_ids is not None:
+        if num_top[row] and top_ids is not None and top_values is not None:
             top = list(
                 zip(
                     top_ids[row, : num_top[row]].tolist(),

@@ -154,7 +154,7 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= want
             reaches_end = seq.num_computed_tokens + want >= seq.num_tokens
-            out.scheduled.append(ScheduledSeq(seq, want, want if decoding else int(reaches_end)))
+            out.scheduled.append(ScheduledSeq(seq, want, want if decoding else _prefill_logits(seq, want, reaches_end)))
 
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -167,11 +167,10 @@ class Scheduler:
         are at most a quarter of a block (or one row).
 
         linear_amx pays for a partial last block of rows as for a full one, so 100 one-token decodes
-        cost a step as long as 128 would. Offline, bf16, decode steps at ~130-190 keys per sequence on
-        the 2-core AMX Xeon, tok/s per step: 96 rows 1,469 / 100 rows 1,383; 128 / 132: 1,473 / 1,369;
-        160 / 164: 1,569 / 1,495; 32 / 36: 1,064 / 969; with 8 past the block 2-7 % lower than at it; with
-        12 or 16 past it between 3 % lower and 3 % higher (96 / 108 / 112: 1,521 / 1,471 / 1,542; 32 / 44 /
-        48: 1,096 / 1,126 / 1,155), so a quarter of a block is where leaving rows out stops paying.
+        cost a step as long as 128 would. Measured, a step with a few rows past a whole block gives fewer
+        tokens per second than the step at the block; past a quarter of a block the difference is within
+        the noise, so a quarter of a block is where leaving rows out stops paying (figures:
+        benchmarks/RESULTS.md, "Figures behind the code's rules").
         Leaving the last few sequences out makes every sequence faster, the ones left out included
         (each waits one step in every rows / tail). Which ones rotates: those left out least recently
         (never: first), the newest arrivals first among equals. A sequence still waiting for its first
@@ -235,7 +234,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_key)
             budget -= want
-            out.scheduled.append(ScheduledSeq(seq, want, int(computed + want >= seq.num_tokens)))
+            out.scheduled.append(ScheduledSeq(seq, want, _prefill_logits(seq, want, computed + want >= seq.num_tokens)))
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Longest run of cached full blocks matching the sequence's tokens.
@@ -243,7 +242,7 @@ class Scheduler:
         At most (num_tokens - 1) // block_size blocks: the last token is always computed (its logits
         are needed), and the block it lands in is then never a shared one.
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or seq.wants_prompt_logits:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, max_blocks, self.block_size, seq.request.cache_key_digest)
@@ -308,6 +307,12 @@ class Scheduler:
                 identity = identity_at(seq.block_hashes, seq.token_ids, index, self.block_size)
                 self.pool.register(seq.block_table[index], identity)
             seq.num_registered_blocks = full
+
+
+def _prefill_logits(seq: Sequence, num_new_tokens: int, reaches_end: bool) -> int:
+    """Logits rows a prefill chunk needs: the last one when it completes the prompt (to sample), every
+    row while prompt logprobs are being computed."""
+    return num_new_tokens if seq.wants_prompt_logits else int(reaches_end)
 
 
 def _seq_slots(seq: Sequence) -> int:

@@ -16,11 +16,14 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+import llguidance
 import torch
 
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.stop_matcher import StopMatcher, failure_table
 from kvserve.model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
+from kvserve.structured.grammar import new_matcher
 
 
 class SeqStatus(enum.Enum):
@@ -53,9 +56,13 @@ class Sequence:
     stop_reason: str | int | None = None
     # Length of detokenizer.text that is safe to show: never a stop string or a prefix of one.
     visible_text_len: int = 0
+    # Where matching of the stop strings stands (created at the first output token when there are stops).
+    stop_matcher: StopMatcher | None = None
     # Draft tokens proposed for this step; verified (and dropped) within the same step.
     spec_tokens: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # With structured output: the grammar state after this sample's output tokens (None otherwise).
+    matcher: llguidance.LLMatcher | None = None
     # The scheduler pass that last left this sequence out to keep a step in whole row blocks (-1: none).
     last_deferred_pass: int = -1
 
@@ -82,6 +89,13 @@ class Sequence:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs were asked for and not all computed yet: every prefill row needs its logits,
+        and the prompt is not taken from the prefix cache (a cached position has no logits)."""
+        request = self.request
+        return self.params.prompt_logprobs is not None and len(request.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def arrival_key(self) -> tuple[float, int, int]:
@@ -120,6 +134,10 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None
+    # KMP tables of params.stop, built once for all n samples (at the first output token).
+    stop_tables: list[list[int]] | None = None
+    # One entry per prompt token computed so far when prompt_logprobs is set; the first token has none.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def new_sequence(self, index: int) -> Sequence:
         generator = torch.Generator(device="cpu")
@@ -135,8 +153,15 @@ class Request:
             generator=generator,
             detokenizer=detok,
         )
+        if self.params.structured is not None:
+            seq.matcher = new_matcher(self.params.structured, self.tokenizer)
         self.sequences.append(seq)
         return seq
+
+    def new_stop_matcher(self) -> StopMatcher:
+        if self.stop_tables is None:
+            self.stop_tables = [failure_table(stop) for stop in self.params.stop]
+        return StopMatcher(self.params.stop, self.stop_tables)
 
     @property
     def finished(self) -> bool:
@@ -154,4 +179,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
             error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None,
         )

@@ -1,19 +1,12 @@
-"""Decides after each appended token whether a sequence is done, and how much text may be shown."""
+"""Decides after each appended token whether a sequence is done, and how much text may be shown.
+
+Stop strings are matched incrementally (stop_matcher.py): each token costs the same whatever the length
+of the output so far, and the text held back from the client is the matcher's state.
+"""
 
 from __future__ import annotations
 
 from kvserve.engine.sequence import Sequence
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some stop string."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
 
 
 def append_token(seq: Sequence, token_id: int, eos_token_ids: list[int], max_model_len: int) -> bool:
@@ -25,17 +18,19 @@ def append_token(seq: Sequence, token_id: int, eos_token_ids: list[int], max_mod
     text = seq.detokenizer.text
 
     if params.stop:
-        # Only a window around the new text can contain a newly completed stop string.
-        window_start = max(0, old_len - max(len(s) for s in params.stop) + 1)
-        hits = [(text.find(s, window_start), s) for s in params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if hits:
-            pos, stop = min(hits)
+        matcher = seq.stop_matcher or seq.request.new_stop_matcher()
+        seq.stop_matcher = matcher
+        hit = matcher.feed(text, old_len)
+        if hit is not None:
+            pos, index = hit
+            stop = params.stop[index]
             end = pos + len(stop) if params.include_stop_str_in_output else pos
             seq.detokenizer.text = text[:end]
             seq.visible_text_len = end
             return _finish(seq, "stop", stop)
-    seq.visible_text_len = len(text) - (_held_back(text, params.stop) if params.stop else 0)
+        seq.visible_text_len = len(text) - matcher.held_back
+    else:
+        seq.visible_text_len = len(text)
 
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return _finish(seq, "stop", token_id)

@@ -113,8 +113,14 @@ def _host_lengths(meta: AttentionMetadata, seqs: list[int] | None) -> tuple[torc
     return ids, lens[0, ids], lens[1, ids], row0[ids]
 
 
-def _prefill_items(meta: AttentionMetadata, seqs: list[int] | None, q_tile: int) -> _Items:
-    """One item per query tile of each sequence in seqs; a tile visits keys 0 .. its last position."""
+def _window_start(kv_start: torch.Tensor, qpos0: torch.Tensor, window: int | None) -> torch.Tensor:
+    """An item's first key to visit with a sliding window: none before its first row's window."""
+    return kv_start if window is None else torch.maximum(kv_start, qpos0 - window + 1)
+
+
+def _prefill_items(meta: AttentionMetadata, seqs: list[int] | None, q_tile: int, window: int | None) -> _Items:
+    """One item per query tile of each sequence in seqs; a tile visits keys 0 (or its first row's window
+    start) .. its last position."""
     ids, qlen, slen, row0 = _host_lengths(meta, seqs)
     tiles = (qlen + q_tile - 1) // q_tile
     owner = torch.repeat_interleave(torch.arange(len(ids)), tiles)
@@ -122,15 +128,18 @@ def _prefill_items(meta: AttentionMetadata, seqs: list[int] | None, q_tile: int)
     start = (torch.arange(len(owner)) - first_tile[owner]) * q_tile  # row offset in the sequence
     nrows = torch.clamp(qlen[owner] - start, max=q_tile)
     qpos0 = slen[owner] - qlen[owner] + start
-    table = torch.stack([ids[owner], row0[owner] + start, nrows, qpos0, torch.zeros_like(qpos0), qpos0 + nrows])
+    kv_start = _window_start(torch.zeros_like(qpos0), qpos0, window)
+    table = torch.stack([ids[owner], row0[owner] + start, nrows, qpos0, kv_start, qpos0 + nrows])
     return _Items(table, q_tile)
 
 
-def _decode_items(meta: AttentionMetadata, seqs: list[int] | None, num_splits: int) -> _Items:
-    """num_splits items per sequence (split-major): all its query rows, 1/num_splits of its keys each."""
+def _decode_items(meta: AttentionMetadata, seqs: list[int] | None, num_splits: int, window: int | None) -> _Items:
+    """num_splits items per sequence (split-major): all its query rows, 1/num_splits of its keys each
+    (of those its first row's window starts at, with a window)."""
     ids, qlen, slen, row0 = (x.repeat(num_splits) for x in _host_lengths(meta, seqs))
-    chunk = (slen + num_splits - 1) // num_splits
-    kv_start = torch.arange(num_splits).repeat_interleave(len(ids) // num_splits) * chunk
+    first = _window_start(torch.zeros_like(slen), slen - qlen, window)
+    chunk = (slen - first + num_splits - 1) // num_splits
+    kv_start = first + torch.arange(num_splits).repeat_interleave(len(ids) // num_splits) * chunk
     kv_end = torch.minimum(kv_start + chunk, slen)  # empty (end <= start) for surplus splits
     table = torch.stack([ids, row0, qlen, slen - qlen, kv_start, kv_end])
     return _Items(table, int(qlen.max()))
@@ -174,9 +183,10 @@ def _plan(
     t_rows: int,
     shape: tuple[int, int, int],
     dev: torch.device,
+    window: int | None = None,
 ) -> _Plan:
     """Sort the items, cut their key ranges into tiles and precompute each tile's gather rows and causal
-    mask. Padding query rows (items with fewer than R rows) are left unmasked: they see keys, stay
+    (and sliding-window) mask. Padding query rows (items with fewer than R rows) are left unmasked: they see keys, stay
     finite and are discarded, so every row ends with den >= 1 and the final division needs no guard."""
     group, hkv, d = shape
     bs = meta.block_size
@@ -201,6 +211,12 @@ def _plan(
     qlim = torch.minimum(it.qpos0.unsqueeze(1) + j, it.kv_end.unsqueeze(1) - 1)
     floor_max = bool(((qlim < it.kv_start.unsqueeze(1)) & valid & (it.kv_end > it.kv_start).unsqueeze(1)).any())
     qlim = qlim.masked_fill(~valid, torch.iinfo(torch.int64).max)
+    # With a window, row r sees p only if p > qpos - window too: padding rows keep seeing every key. A row
+    # may then see no key of the first tile (later rows' windows start later): its max is floored.
+    qlow = None
+    if window is not None:
+        qlow = (it.qpos0.unsqueeze(1) + j - window).masked_fill(~valid, -1)
+        floor_max = True
     rows = torch.where(valid, it.row0.unsqueeze(1) + j, t_rows)  # [W, R]; padding rows -> out row T
 
     tables = meta.block_tables.index_select(0, it.seq)
@@ -215,6 +231,8 @@ def _plan(
         slot = tables[:n].gather(1, col) * bs + kpos % bs
         index = (slot.unsqueeze(1) * hkv + heads).view(-1)  # [n, Hkv, kv_tile]: head-major per item
         hidden = kpos.unsqueeze(1) > qlim[:n].unsqueeze(2)  # [n, R, kv_tile]
+        if qlow is not None:
+            hidden |= kpos.unsqueeze(1) <= qlow[:n].unsqueeze(2)
         masked = torch.nonzero(hidden.flatten(1).any(1)).view(-1).tolist()
         mask = None
         if masked:  # items sorted by key count: the ones needing a mask here are (nearly) a contiguous run
@@ -326,16 +344,18 @@ def _run(
     key: tuple,
     make_groups: Callable[[], list[tuple[_Items, int]]],
     kv_tile: int | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Plan (once per metadata, key and head shapes), then execute. make_groups: (items, num_splits) pairs."""
+    """Plan (once per metadata, key, window and head shapes), then execute. make_groups: (items,
+    num_splits) pairs."""
     _check(q, k_cache, v_cache)
     t_rows, hq, d = q.shape
     hkv = k_cache.shape[2]
-    key = ("tiled", *key, kv_tile, t_rows, hq, hkv, d, q.device)
+    key = ("tiled", *key, kv_tile, window, t_rows, hq, hkv, d, q.device)
     plans = meta.plans.get(key)
     if plans is None:
         shape = (hq // hkv, hkv, d)
-        plans = [_plan(meta, items, ns, kv_tile, t_rows, shape, q.device) for items, ns in make_groups()]
+        plans = [_plan(meta, items, ns, kv_tile, t_rows, shape, q.device, window) for items, ns in make_groups()]
         meta.plans[key] = plans
     if len(plans) == 1 and plans[0].dest is None:  # pure decode in batch order: the result is the output
         return _execute(q, k_cache, v_cache, scale, plans[0]).to(q.dtype).view(t_rows, hq, d)
@@ -355,11 +375,12 @@ def tiled_prefill_attention(
     scale: float,
     q_tile: int = DEFAULT_Q_TILE,
     kv_tile: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of packed new tokens over keys read from the paged cache, including any
     cached prefix (prefix-cache hits, chunked prefill). q: [T, Hq, D]; caches [N, block, Hkv, D]."""
-    groups = lambda: [(_prefill_items(meta, None, q_tile), 1)]  # noqa: E731
-    return _run(q, k_cache, v_cache, meta, scale, ("prefill", q_tile), groups, kv_tile)
+    groups = lambda: [(_prefill_items(meta, None, q_tile, window), 1)]  # noqa: E731
+    return _run(q, k_cache, v_cache, meta, scale, ("prefill", q_tile), groups, kv_tile, window)
 
 
 def paged_decode_attention(
@@ -370,14 +391,15 @@ def paged_decode_attention(
     scale: float,
     kv_tile: int | None = None,
     num_splits: int = 1,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for sequences with one or a few new tokens (speculative verification), reading K/V
     through block tables; with num_splits > 1 each sequence's keys are split into that many ranges,
     processed side by side and merged with their (m, den) statistics."""
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    groups = lambda: [(_decode_items(meta, None, num_splits), num_splits)]  # noqa: E731
-    return _run(q, k_cache, v_cache, meta, scale, ("decode", num_splits), groups, kv_tile)
+    groups = lambda: [(_decode_items(meta, None, num_splits, window), num_splits)]  # noqa: E731
+    return _run(q, k_cache, v_cache, meta, scale, ("decode", num_splits), groups, kv_tile, window)
 
 
 def tiled_attention(
@@ -386,19 +408,24 @@ def tiled_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A mixed batch: sequences with few new tokens go the decode way, the rest the prefill way."""
-    return _run(q, k_cache, v_cache, meta, scale, ("mixed",), lambda: _mixed_groups(meta), None)
+    groups = lambda: _mixed_groups(meta, window)  # noqa: E731
+    return _run(q, k_cache, v_cache, meta, scale, ("mixed",), groups, None, window)
 
 
-def _mixed_groups(meta: AttentionMetadata) -> list[tuple[_Items, int]]:
+def _mixed_groups(meta: AttentionMetadata, window: int | None) -> list[tuple[_Items, int]]:
     if meta.max_query_len <= DECODE_MAX_QUERY_LEN:  # all decoding: the common step, no partition
-        groups = [(_decode_items(meta, None, 1), 1)]
+        groups = [(_decode_items(meta, None, 1, window), 1)]
     elif min(meta.query_lens_host) > DECODE_MAX_QUERY_LEN:
-        groups = [(_prefill_items(meta, None, DEFAULT_Q_TILE), 1)]
+        groups = [(_prefill_items(meta, None, DEFAULT_Q_TILE, window), 1)]
     else:
         qlens = meta.query_lens_host
         decode = [i for i, n in enumerate(qlens) if n <= DECODE_MAX_QUERY_LEN]
         prefill = [i for i, n in enumerate(qlens) if n > DECODE_MAX_QUERY_LEN]
-        groups = [(_decode_items(meta, decode, 1), 1), (_prefill_items(meta, prefill, DEFAULT_Q_TILE), 1)]
+        groups = [
+            (_decode_items(meta, decode, 1, window), 1),
+            (_prefill_items(meta, prefill, DEFAULT_Q_TILE, window), 1),
+        ]
     return groups

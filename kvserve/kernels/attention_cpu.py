@@ -15,14 +15,13 @@ import torch
 
 from kvserve.kernels import cpu
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
-from kvserve.kernels.attention_sdpa import prefill_rows
+from kvserve.kernels.attention_sdpa import prefill_rows, sdpa_attention
 from kvserve.kernels.metadata import AttentionMetadata
 
 # Sequences with more new tokens than a decode row go to the AMX kernel while they have at most this
-# many keys. Measured, one layer call (9/3 heads, dim 64, bf16), AMX kernel vs SDPA, ms: 16 x 128/128
-# new/keys 1.32 vs 2.39; 8 x 256/256 1.52 vs 2.70; 8 x 128/512 1.96 vs 3.25; 4 x 512/512 2.72 vs 3.94;
-# 2 x 256/1,024 2.43 vs 2.62; 1 x 1,024/1,024 2.94 vs 2.79; 1 x 2,048/2,048 10.9 vs 8.9 (each chunk of 16
-# rows rescans all the keys it sees, so the kernel's cost grows with rows x keys faster than SDPA's).
+# many keys: each chunk of 16 rows rescans all the keys it sees, so the kernel's cost grows with
+# rows x keys faster than SDPA's, and past this SDPA wins
+# (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 AMX_PREFILL_MAX_KEYS = 512
 
 
@@ -32,8 +31,13 @@ def cpu_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Packed varlen causal attention over the paged cache. q: [T, Hq, D] (rows may be strided)."""
+    """Packed varlen causal attention over the paged cache. q: [T, Hq, D] (rows may be strided).
+    The compiled kernel has no sliding window: windowed layers run on torch SDPA (get_attention_backend
+    says so at load)."""
+    if window is not None:
+        return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
     kernels = cpu.load()
     if kernels is None:
         raise RuntimeError("attention_backend 'cpu' needs kvserve's compiled CPU kernels (see kvserve/kernels/cpu)")
@@ -45,9 +49,9 @@ def cpu_attention(
             n <= DECODE_MAX_QUERY_LEN or s <= longest
             for n, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
         ]
-        on_kernel = [i for i, takes in enumerate(kernel_takes) if takes]
+        kernel_rows = [i for i, takes in enumerate(kernel_takes) if takes]
         on_sdpa = [i for i, takes in enumerate(kernel_takes) if not takes]
-        plan = meta.plans["cpu"] = (torch.tensor(on_kernel, dtype=torch.int64), on_sdpa)
+        plan = meta.plans["cpu"] = (torch.tensor(kernel_rows, dtype=torch.int64), on_sdpa)
     on_kernel, on_sdpa = plan
     if len(on_kernel):
         kernels.decode_attention(

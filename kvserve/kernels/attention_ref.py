@@ -17,10 +17,12 @@ def reference_attention(
     scale: float,
     q_offset: int | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence. q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; returns [Tq, Hq, D].
 
-    Query i sits at position q_offset + i and sees keys 0 .. q_offset + i. By default the queries are
+    Query i sits at position p = q_offset + i and sees keys 0 .. p, or with a sliding `window` only
+    the last `window` of them, p - window + 1 .. p (HF's sliding-window mask). By default the queries are
     the last Tq positions (q_offset = Tk - Tq), as in prefill after a cached prefix, or decode.
     Query head h reads kv head h // (Hq / Hkv) (grouped-query attention).
     """
@@ -36,7 +38,10 @@ def reference_attention(
     scores = qc @ kc.transpose(1, 2) * scale  # [Hq, Tq, Tk]
     qpos = torch.arange(tq, device=q.device) + offset
     kpos = torch.arange(tk, device=q.device)
-    scores = scores.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+    hidden = kpos[None, :] > qpos[:, None]
+    if window is not None:
+        hidden |= kpos[None, :] <= qpos[:, None] - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vc
     return out.transpose(0, 1).to(q.dtype)
 
@@ -55,6 +60,7 @@ def paged_reference_attention(
     meta: AttentionMetadata,
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Packed varlen causal attention over the paged cache, one materialized matrix per sequence."""
     out = torch.empty_like(q)
@@ -62,7 +68,7 @@ def paged_reference_attention(
     for i, n in enumerate(meta.query_lens_host):
         k = gather_sequence_kv(k_cache, meta, i)
         v = gather_sequence_kv(v_cache, meta, i)
-        out[start : start + n] = reference_attention(q[start : start + n], k, v, scale, None, compute_dtype)
+        out[start : start + n] = reference_attention(q[start : start + n], k, v, scale, None, compute_dtype, window)
         start += n
     return out
 

@@ -27,7 +27,7 @@ class _DecodePlan:
     shape: tuple[int, int, int]  # (B, Qmax, Smax)
 
 
-def _decode_plan(meta: AttentionMetadata, seq_list: list[int], t_rows: int) -> _DecodePlan:
+def _decode_plan(meta: AttentionMetadata, seq_list: list[int], t_rows: int, window: int | None) -> _DecodePlan:
     dev = meta.seq_lens.device
     seqs = torch.tensor(seq_list, device=dev)
     qlen = torch.tensor([meta.query_lens_host[i] for i in seq_list], device=dev)
@@ -41,6 +41,8 @@ def _decode_plan(meta: AttentionMetadata, seq_list: list[int], t_rows: int) -> _
     col = torch.div(kpos, meta.block_size, rounding_mode="floor")
     slot = (meta.block_tables[seqs][:, col] * meta.block_size + kpos % meta.block_size).flatten()
     mask = (kpos <= qpos.unsqueeze(-1)) & (kpos < slen.view(-1, 1, 1))  # [B, Qmax, Smax]
+    if window is not None:  # a query at p sees p - window + 1 .. p: its own key stays, so no row is empty
+        mask &= kpos > qpos.unsqueeze(-1) - window
     return _DecodePlan(
         slot=slot,
         rows=rows.clamp_max(t_rows - 1).flatten(),
@@ -58,14 +60,15 @@ def _padded_decode(
     scale: float,
     seq_list: list[int],
     out: torch.Tensor,
+    window: int | None = None,
 ) -> None:
     """One SDPA call for the sequences in seqs, keys padded to the longest and masked per sequence.
-    The index and mask tensors are planned once per metadata and reused by every layer."""
+    The index and mask tensors are planned once per metadata (and window) and reused by every layer."""
     _, hkv, d = k_cache.shape[1:]
-    key = ("sdpa-decode", q.shape[0])
+    key = ("sdpa-decode", q.shape[0], window)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = _decode_plan(meta, seq_list, q.shape[0])
+        plan = meta.plans[key] = _decode_plan(meta, seq_list, q.shape[0], window)
     b, max_q, max_s = plan.shape
     k = k_cache.view(-1, hkv * d).index_select(0, plan.slot).view(b, max_s, hkv, d).transpose(1, 2)
     v = v_cache.view(-1, hkv * d).index_select(0, plan.slot).view(b, max_s, hkv, d).transpose(1, 2)
@@ -82,16 +85,20 @@ def _one_prefill(
     scale: float,
     i: int,
     row0: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     n, s = meta.query_lens_host[i], meta.seq_lens_host[i]
     k = gather_sequence_kv(k_cache, meta, i).transpose(0, 1).unsqueeze(0)
     v = gather_sequence_kv(v_cache, meta, i).transpose(0, 1).unsqueeze(0)
     qs = q[row0 : row0 + n].transpose(0, 1).unsqueeze(0)
-    if n == s:  # SDPA's is_causal aligns the mask top-left, right only without a cached prefix
+    if n == s and (window is None or window >= s):  # is_causal aligns the mask top-left: right without a prefix
         res = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         kpos = torch.arange(s, device=q.device)
-        mask = kpos <= (kpos[s - n :]).unsqueeze(1)
+        qpos = kpos[s - n :].unsqueeze(1)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
         res = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return res[0].transpose(0, 1)
 
@@ -102,14 +109,17 @@ def sdpa_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Packed varlen causal attention over the paged cache via torch SDPA. q: [T, Hq, D]."""
+    """Packed varlen causal attention over the paged cache via torch SDPA. q: [T, Hq, D]; `window`:
+    a query sees only the last `window` keys (its own included)."""
     out = q.new_empty((q.shape[0] + 1, q.shape[1], q.shape[2]))
     qlens = meta.query_lens_host
     decode = [i for i, n in enumerate(qlens) if n <= DECODE_MAX_QUERY_LEN]
     if decode:
-        _padded_decode(q, k_cache, v_cache, meta, scale, decode, out)
-    prefill_rows(q, k_cache, v_cache, meta, scale, out, [i for i, n in enumerate(qlens) if n > DECODE_MAX_QUERY_LEN])
+        _padded_decode(q, k_cache, v_cache, meta, scale, decode, out, window)
+    prefill = [i for i, n in enumerate(qlens) if n > DECODE_MAX_QUERY_LEN]
+    prefill_rows(q, k_cache, v_cache, meta, scale, out, prefill, window)
     return out[:-1]
 
 
@@ -121,8 +131,10 @@ def prefill_rows(
     scale: float,
     out: torch.Tensor,
     seqs: list[int],
+    window: int | None = None,
 ) -> None:
     """Writes the out rows of the sequences `seqs` (indices into the batch), one SDPA call each."""
     row_starts = [0, *itertools.accumulate(meta.query_lens_host)]
     for i in seqs:
-        out[row_starts[i] : row_starts[i + 1]] = _one_prefill(q, k_cache, v_cache, meta, scale, i, row_starts[i])
+        rows = _one_prefill(q, k_cache, v_cache, meta, scale, i, row_starts[i], window)
+        out[row_starts[i] : row_starts[i + 1]] = rows

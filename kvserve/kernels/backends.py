@@ -1,9 +1,10 @@
-"""Attention backends by name: every one computes the same function, (q, k_cache, v_cache, meta, scale)
--> out, and is chosen by the engine's `attention_backend` config field."""
+"""Attention backends by name: every one computes the same function, (q, k_cache, v_cache, meta, scale,
+window=None) -> out, and is chosen by the engine's `attention_backend` config field."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 
 import torch
@@ -15,7 +16,8 @@ from kvserve.kernels.attention_ref import paged_reference_attention
 from kvserve.kernels.attention_sdpa import sdpa_attention
 from kvserve.kernels.metadata import AttentionMetadata
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+logger = logging.getLogger(__name__)
+AttentionFn = Callable[..., torch.Tensor]
 BACKEND_NAMES = ("tiled", "reference", "sdpa", "triton", "cpu", "auto_cpu")
 
 
@@ -23,26 +25,28 @@ def triton_available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-# Total keys in a batch (sum of seq_lens) from which the tiled kernel beats torch SDPA on the CPU.
-# Measured with benchmarks/attention.py (bf16, 2 threads, SmolLM2-135M heads, ms per layer call,
-# tiled vs sdpa): decode 16x1024 (16k keys) 3.3 vs 1.8; decode 64x1024 (64k) 13.5 vs 23.0; 256x512
-# (128k) 31.9 vs 44.6; 256x2048 119.9 vs 179.2 at 33 vs 390 MiB peak; 128 mixed lengths 31.6 vs 82.3;
-# prefill 1024 18.9 vs 3.3, 4096 193 vs 38. End to end, 64 requests of 128/128 tokens (<= 16k keys per
-# step) run at 479 output tok/s with sdpa and 406 with tiled. So: small batches, short contexts and
-# prefill go to SDPA; large decode batches over long contexts go to the tiled kernel.
+# Total keys in a batch (sum of seq_lens) from which the tiled kernel beats torch SDPA on the CPU
+# (benchmarks/attention.py): small batches, short contexts and prefill go to SDPA; large decode batches
+# over long contexts go to the tiled kernel, which also needs far less memory there. Figures:
+# benchmarks/RESULTS.md, "Figures behind the code's rules".
 TILED_FROM_TOTAL_KEYS = 32_768
 
 
 def auto_cpu_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """The compiled CPU kernels where they build; otherwise, per batch, the faster of the tiled
-    kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
-    if cpu.load() is not None:
+    """The compiled CPU kernels where they build (and the layer has no window); otherwise, per batch,
+    the faster of the tiled kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    if window is None and cpu.load() is not None:
         return cpu_attention(q, k_cache, v_cache, meta, scale)
     if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
-        return tiled_attention(q, k_cache, v_cache, meta, scale)
-    return sdpa_attention(q, k_cache, v_cache, meta, scale)
+        return tiled_attention(q, k_cache, v_cache, meta, scale, window)
+    return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
 
 
 def runs_compiled_decode(attention: AttentionFn) -> bool:
@@ -51,7 +55,15 @@ def runs_compiled_decode(attention: AttentionFn) -> bool:
     return attention in (cpu_attention, auto_cpu_attention) and cpu.load() is not None
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionFn:
+def get_attention_backend(name: str, device: torch.device | str, windowed: bool = False) -> AttentionFn:
+    """The backend `name`; `windowed`: the model has sliding-window layers."""
+    if windowed and name == "triton":
+        raise ValueError(
+            "attention_backend 'triton' has no sliding window yet; this model has sliding-window layers: "
+            "use one of 'sdpa', 'tiled', 'reference', 'cpu', 'auto_cpu'"
+        )
+    if windowed and name in ("cpu", "auto_cpu") and cpu.load() is not None:
+        logger.warning("sliding-window layers run attention on torch ops because the compiled CPU kernel has no window")
     if name == "auto_cpu":
         return auto_cpu_attention
     if name == "tiled":

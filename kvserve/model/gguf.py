@@ -1,159 +1,178 @@
-"""Load a Llama-family GGUF file: tensors (HF names and layout), config and tokenizer data.
+"""Load a GGUF file: its family's config, its tensors one at a time under HF names and in HF layout,
+and its tokenizer data.
 
-Tensors are dequantized to float32, except, with `keep_quantized`, matrices of a block type kvserve's
-quantized kernels multiply (quantized.py's KERNEL_TYPES), which stay in their GGUF blocks.
+Tensors are cast or dequantized to the serving dtype, except, with `keep_quantized`, matrices of a block
+type kvserve's quantized kernels multiply (quantized.py's KERNEL_TYPES), which stay in their GGUF blocks.
 
-llama.cpp's converter permutes the rows of q_proj/k_proj so that RoPE rotates adjacent pairs; we undo
-that so GGUF and HF checkpoints share one layout and one RoPE (rotate-half) implementation.
+llama.cpp's converter permutes the rows of q_proj/k_proj of Llama models so that RoPE rotates adjacent
+pairs; we undo that so GGUF and HF checkpoints share one layout and one RoPE (rotate-half) implementation.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.families import family_for_gguf
+from kvserve.model.families.family import Family, GGUFMetadata, field_value
+from kvserve.model.gguf_file import GGUFFile, GGUFTensor, open_gguf_file
+from kvserve.model.progress import progress
 from kvserve.model.quantized import KERNEL_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
-_PLAIN_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors that configure rather than weigh (read by the family's config): not model weights.
+_CONFIG_TENSORS = {"rope_freqs.weight"}
+# Quantized tensors are dequantized this many float32 elements at a time, each piece cast into the
+# serving dtype at once: no whole float32 copy of a large tensor (Gemma's 262k x 640 embedding) exists.
+_DEQUANTIZE_ELEMENTS = 1 << 22
+# Tensor types whose rows torch reads from the file as they are (then casts); the rest are dequantized.
+_PLAIN_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16}
+if hasattr(GGMLQuantizationType, "BF16"):
+    _PLAIN_TYPES[GGMLQuantizationType.BF16] = torch.bfloat16
 
 
 @dataclass
 class GGUFTokenizerData:
+    architecture: str  # general.architecture
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
     tokens: list[str]
     token_types: list[int]
+    scores: list[float]
     merges: list[str]
     bos_token_id: int | None
     eos_token_id: int | None
     pad_token_id: int | None
+    unknown_token_id: int | None
     pre_tokenizer: str | None
     add_bos_token: bool
+    add_space_prefix: bool
     chat_template: str | None
 
 
-def _field_value(reader: GGUFReader, key: str) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    if field.types and field.types[0] == GGUFValueType.ARRAY:
-        return list(field.contents())
-    return field.contents()
+def gguf_family(reader: GGUFFile) -> Family:
+    return family_for_gguf(field_value(reader, "general.architecture"))
 
 
-def _hf_name(gguf_name: str) -> str:
+def architecture(reader: GGUFFile) -> str:
+    return str(field_value(reader, "general.architecture"))
+
+
+def read_config(reader: GGUFFile) -> ModelConfig:
+    family = gguf_family(reader)
+    if family.config_from_gguf is None or family.gguf_architecture is None:
+        raise ValueError(f"{family.name} models are not read from GGUF files")
+    return family.config_from_gguf(GGUFMetadata(reader, family.gguf_architecture))
+
+
+def _hf_name(gguf_name: str, family: Family) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
-        return f"model.layers.{index}.{_LAYER_NAMES[part]}.{suffix}"
+        if part not in family.gguf_layer_names:
+            raise ValueError(f"unexpected tensor {gguf_name!r} in a {family.name} GGUF")
+        return f"model.layers.{index}.{family.gguf_layer_names[part]}.{suffix}"
+    if stem not in _GLOBAL_NAMES:
+        raise ValueError(f"unexpected tensor {gguf_name!r} in a {family.name} GGUF")
     return f"{_GLOBAL_NAMES[stem]}.{suffix}"
 
 
-def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's permute: per head, rows (pair, half) -> (half, pair)."""
     half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def read_config(reader: GGUFReader) -> ModelConfig:
-    arch = _field_value(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"only the llama architecture is supported, this GGUF is {arch!r}")
-
-    def get(key: str, default: Any = None) -> Any:
-        value = _field_value(reader, f"llama.{key}")
-        return default if value is None else value
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    scaling_type = get("rope.scaling.type")
-    rope_scaling = None
-    if scaling_type not in (None, "none"):
-        rope_scaling = (("factor", float(get("rope.scaling.factor", 1.0))), ("type", str(scaling_type)))
-    vocab = get("vocab_size") or len(_field_value(reader, "tokenizer.ggml.tokens"))
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        rope_scaling=rope_scaling,
-    )
+def _to_dtype(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
+    """One GGUF tensor in `dtype`, in the row-major (numpy) shape; the file is read through its mmap."""
+    shape = list(tensor.shape)
+    plain = _PLAIN_TYPES.get(tensor.tensor_type)
+    if plain is not None:
+        # The mmapped bytes are read-only: torch only reads them, the cast (or clone) copies them.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            source = torch.frombuffer(tensor.data.data.cast("B"), dtype=plain).view(shape)
+        return source.to(dtype) if plain != dtype else source.clone()
+    out = torch.empty(shape, dtype=dtype)
+    rows = tensor.data  # quantized rows: [rows, bytes per row]
+    flat = out.view(rows.shape[0], -1)
+    step = max(1, _DEQUANTIZE_ELEMENTS // flat.shape[1])
+    for start in range(0, rows.shape[0], step):
+        piece = dequantize(rows[start : start + step], tensor.tensor_type).astype(np.float32, copy=False)
+        flat[start : start + step] = torch.from_numpy(np.ascontiguousarray(piece)).view(-1, flat.shape[1])
+    return out
 
 
-def read_tensors(
-    reader: GGUFReader, config: ModelConfig, keep_quantized: bool = False
-) -> dict[str, torch.Tensor | QuantizedTensor]:
-    """Every tensor under its HF name, in HF's [out, in] layout: dequantized to float32, or, with
-    `keep_quantized`, a QuantizedTensor where it is a matrix of one of KERNEL_TYPES (the others of a
-    quantized type are dequantized, and one log line names them)."""
-    tensors: dict[str, torch.Tensor | QuantizedTensor] = {}
+def iter_tensors(
+    reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Every weight under its HF name, in HF's [out, in] layout, in `dtype`, one at a time; with
+    `keep_quantized`, a matrix of one of KERNEL_TYPES comes as a QuantizedTensor holding its GGUF blocks
+    (the others of a quantized type are dequantized, and one log line names them)."""
+    family = gguf_family(reader)
     dequantized: list[str] = []
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.rsplit(".", 2)[-2])
-        if keep_quantized and tensor.tensor_type in KERNEL_TYPES and len(shape) == 2:
-            weight = QuantizedTensor.from_gguf(tensor.data, tensor.tensor_type, shape)
-            tensors[name] = weight if heads is None else weight.rows(_unpermute_rope_rows(np.arange(shape[0]), heads))
+    for tensor in progress(reader.tensors, "loading weights", "tensor"):
+        if tensor.name in _CONFIG_TENSORS:
             continue
-        if keep_quantized and tensor.tensor_type not in _PLAIN_TYPES:
-            dequantized.append(f"{tensor.name} ({tensor.tensor_type.name})")
-        # dequantize returns the row-major (numpy) shape.
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
-        if heads is not None:
-            array = _unpermute_rope_rows(array, heads)
-        # dequantize may return a read-only view of the memory-mapped file; torch needs a writable array.
-        tensors[name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=not array.flags.writeable))
+        name = _hf_name(tensor.name, family)
+        heads = None
+        if family.gguf_permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = config.num_heads
+        elif family.gguf_permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = config.num_kv_heads
+        weight: torch.Tensor | QuantizedTensor
+        if keep_quantized and tensor.tensor_type in KERNEL_TYPES and len(tensor.shape) == 2:
+            weight = QuantizedTensor.from_gguf(tensor.data, tensor.tensor_type, tensor.shape)
+            if heads is not None:
+                weight = weight.rows(_unpermute_rope_rows(torch.arange(tensor.shape[0]), heads))
+        else:
+            if keep_quantized and tensor.tensor_type not in _PLAIN_TYPES:
+                dequantized.append(f"{tensor.name} ({tensor.tensor_type.name})")
+            weight = _to_dtype(tensor, dtype)
+            if heads is not None:
+                weight = _unpermute_rope_rows(weight, heads)
+        reader.release(tensor)
+        yield name, weight
     if dequantized:
-        logger.warning("no quantized kernel for these GGUF tensors, dequantized to float: %s", ", ".join(dequantized))
-    return tensors
+        logger.warning("no quantized kernel for these GGUF tensors, dequantized: %s", ", ".join(dequantized))
 
 
-def read_tokenizer_data(reader: GGUFReader) -> GGUFTokenizerData:
-    model = _field_value(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"only byte-level BPE (gpt2) GGUF tokenizers are supported, got {model!r}")
+def read_tokenizer_data(reader: GGUFFile) -> GGUFTokenizerData:
+    model = field_value(reader, "tokenizer.ggml.model")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(
+            f"unsupported GGUF tokenizer {model!r}; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
+        )
+    add_bos = field_value(reader, "tokenizer.ggml.add_bos_token")
+    add_prefix = field_value(reader, "tokenizer.ggml.add_space_prefix")
     return GGUFTokenizerData(
-        tokens=_field_value(reader, "tokenizer.ggml.tokens"),
-        token_types=_field_value(reader, "tokenizer.ggml.token_type") or [],
-        merges=_field_value(reader, "tokenizer.ggml.merges") or [],
-        bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field_value(reader, "tokenizer.ggml.padding_token_id"),
-        pre_tokenizer=_field_value(reader, "tokenizer.ggml.pre"),
-        add_bos_token=bool(_field_value(reader, "tokenizer.ggml.add_bos_token") or False),
-        chat_template=_field_value(reader, "tokenizer.chat_template"),
+        architecture=field_value(reader, "general.architecture"),
+        model=model,
+        tokens=field_value(reader, "tokenizer.ggml.tokens"),
+        token_types=field_value(reader, "tokenizer.ggml.token_type") or [],
+        scores=field_value(reader, "tokenizer.ggml.scores") or [],
+        merges=field_value(reader, "tokenizer.ggml.merges") or [],
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=field_value(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=field_value(reader, "tokenizer.ggml.padding_token_id"),
+        unknown_token_id=field_value(reader, "tokenizer.ggml.unknown_token_id"),
+        pre_tokenizer=field_value(reader, "tokenizer.ggml.pre"),
+        # llama.cpp's defaults where the file is silent: BOS added for SentencePiece vocabularies only.
+        add_bos_token=bool(add_bos) if add_bos is not None else model == "llama",
+        add_space_prefix=bool(add_prefix) if add_prefix is not None else model == "llama",
+        chat_template=field_value(reader, "tokenizer.chat_template"),
     )
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    if not path.is_file():
-        raise ValueError(f"GGUF file not found: {path}")
-    return GGUFReader(str(path))
+def open_gguf(path: Path) -> GGUFFile:
+    return open_gguf_file(path)

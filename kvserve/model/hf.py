@@ -1,49 +1,47 @@
-"""Load a Llama-family HF directory: config.json + *.safetensors (+ tokenizer.json)."""
+"""Load an HF directory: config.json (through its family) + *.safetensors, tensors one at a time."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.families import family_for_hf
+from kvserve.model.families.family import Family
 
 
-def read_hf_config(directory: Path) -> tuple[ModelConfig, dict[str, Any]]:
+def read_raw_config(directory: Path) -> dict[str, Any]:
     path = directory / "config.json"
     if not path.is_file():
         raise ValueError(f"{directory} has no config.json")
-    raw = json.loads(path.read_text())
-    model_type = raw.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):
-        raise ValueError(f"only Llama-family models are supported, config.json says model_type={model_type!r}")
-    heads = raw["num_attention_heads"]
-    scaling = raw.get("rope_scaling")
-    config = ModelConfig(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads", heads),
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=raw.get("rope_theta", 10000.0),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-    )
-    return config, raw
+    return json.loads(path.read_text())
 
 
-def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+def read_hf_config(directory: Path) -> tuple[ModelConfig, dict[str, Any], Family]:
+    raw = read_raw_config(directory)
+    family = family_for_hf(raw)
+    return family.config_from_hf(raw), raw, family
+
+
+def safetensors_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
+    return files
+
+
+def iter_hf_tensors(directory: Path, family: Family, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor under its HF name in `dtype`, one at a time, read through the files' mmap. Norm
+    weights get the family's offset (Gemma's x * (1 + w)) added in float32 before the cast."""
+    for file in safetensors_files(directory):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                tensor = f.get_tensor(name)
+                if family.hf_norm_offset and name.endswith("norm.weight"):
+                    tensor = tensor.float() + family.hf_norm_offset
+                yield name, tensor.to(dtype)

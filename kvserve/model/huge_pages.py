@@ -3,10 +3,9 @@ KV cache) on 2 MiB transparent huge pages.
 
 Why: a decode step reads all 270 MB of SmolLM2-135M's bf16 weights and, batched, hundreds of MB of K/V.
 With 4 KiB pages every 4 KiB is another TLB entry, and in a VM a TLB miss walks two sets of page tables;
-the kernels then wait on page walks rather than on the memory bus. On the project's 2-core AMX Xeon VM
-(ad hoc probe, 121 GEMVs of one batch-1 token, medians of 10 passes): 11.8-11.9 ms with the weights as
-separate tensors, 8.9-9.2 ms from one buffer on huge pages (22.5 -> 30 GB/s); linear_amx at 96 rows
-22.1 -> 20.1 ms.
+the kernels then wait on page walks rather than on the memory bus: batch-1 decode's GEMVs and
+linear_amx both run measurably faster from one buffer on huge pages
+(figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 
 How: Linux backs a range advised with madvise(MADV_HUGEPAGE) by huge pages as it is first touched, when
 /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise" (this machine: "madvise"); with

@@ -61,6 +61,27 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight in float32 (weight float32), returned in x's dtype (HF's norms after
+    attention and MLP)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def head_rms_norm(
+    heads: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> None:
+    """In place on heads [T, Hq + Hkv, D] (q heads first): each head RMS-normalized over D in float32,
+    q heads times q_weight, k heads times k_weight (float32 [D])."""
+    for part, weight in ((heads[:, :num_q_heads], q_weight), (heads[:, num_q_heads:], k_weight)):
+        part.copy_(F.rms_norm(part.float(), (part.shape[-1],), weight, eps))
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up [T, 2I] (gate first): Gemma's gated MLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def layer_ops_for(device: torch.device) -> Any:
     """The compiled kernels on the CPU where they build, else the torch definitions."""
     kernels = cpu.load() if device.type == "cpu" else None

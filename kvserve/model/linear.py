@@ -1,19 +1,16 @@
 """y = x @ W^T with W kept in the layout the device's fastest kernel wants.
 
 On CPUs with oneDNN, weights pre-packed into oneDNN's blocked layout run faster than F.linear (which
-re-reads a plain layout every call). bf16, measured on the 2-core Xeon with AMX, one thread, a
-3072x576 projection: 0.25 -> 0.175 ms at 1 row, 0.44 -> 0.24 ms at 64 rows; the 49152-row LM head
-3.7 -> 2.3 ms. float32, on a 2-core AMD Zen 3 (AVX2, two threads): 3072x576 at 100 rows 3.87 -> 2.77 ms,
-the LM head at 100 rows 117 -> 49 ms. Where oneDNN has no bf16 kernel (CPUs without AVX-512: its
-packing probe fails), bf16 weights are packed widened to float32 and the product runs in float32 on
-bf16 inputs: the same arithmetic as a bf16 product with float32 accumulation (bf16 values widen
-exactly), at the float32 kernel's speed; torch's own bf16 F.linear there was 3-7x slower than float32.
-At one or two rows (batch-1 decode) kvserve's own bf16 GEMV (kernels/cpu/gemv.cpp) is faster still:
-3072x576 at one row 93 -> 45 us on the Xeon. From 3 to AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's
-tile kernel (kernels/cpu/linear_amx.cpp) beats oneDNN. Anything else (CUDA, a torch without the op)
-uses F.linear. `make_linear` builds a plain projection; `make_gated_up` the MLP's up projection,
-silu(gate) * up, by the same choice of kernels. Weights kept in GGUF blocks (QuantizedTensor) go to the
-quantized kernels (quantized_linear.py).
+re-reads a plain layout every call), in bf16 and float32 alike. Where oneDNN has no bf16 kernel (CPUs
+without AVX-512: its packing probe fails), bf16 weights are packed widened to float32 and the product
+runs in float32 on bf16 inputs: the same arithmetic as a bf16 product with float32 accumulation (bf16
+values widen exactly), at the float32 kernel's speed, where torch's own bf16 F.linear is several times
+slower than float32. At one or two rows (batch-1 decode) kvserve's own bf16 GEMV (kernels/cpu/gemv.cpp)
+is faster still. From 3 to AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's tile kernel
+(kernels/cpu/linear_amx.cpp) beats oneDNN. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
+Anything else (CUDA, a torch without the op) uses F.linear. `make_linear` builds a plain projection;
+`make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels. Weights kept in
+GGUF blocks (QuantizedTensor) go to the quantized kernels (quantized_linear.py).
 """
 
 from __future__ import annotations
@@ -32,15 +29,14 @@ from kvserve.model.quantized_linear import make_quantized_linear
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
-# The most rows linear_amx takes; more go to oneDNN. `python benchmarks/linear.py` (the model's 121
-# products, weights streamed from memory, 2 threads), oneDNN / linear_amx time: 1.19x at 100 rows, 1.24x
-# at 256, 1.26x at 384, 1.02x at 512, 0.85x at 1,024. Up to 512 it also spares the mixed steps of
-# online traffic oneDNN's primitive creation for each new row count (~1.5 ms per product shape).
+# The most rows linear_amx takes; more go to oneDNN, which is faster from about here on
+# (`python benchmarks/linear.py`). Up to it linear_amx also spares the mixed steps of online traffic
+# oneDNN's primitive creation for each new row count. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 AMX_MAX_ROWS = 512
 # Tile kernel operands: 32-column panels (two 16-column B tiles), 32-deep k steps.
 AMX_ALIGN = 32
 # linear_amx computes rows in blocks of two 16-row tiles; a last block of 1-31 rows costs as much as a full
-# one (3072 x 576, us: 96 rows 245, 97 rows 307, 128 rows 314).
+# one (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 AMX_ROW_BLOCK = 32
 
 
@@ -98,16 +94,13 @@ def gemv_kernels() -> ModuleType | None:
 
 
 # oneDNN's batch-size hint when packing: it only tunes the blocking (the packed weight takes any number
-# of rows). bf16 keeps 1 (measured on the Xeon). float32 on Zen 3, 3072x576 at 4 / 64 / 128 / 512 rows,
-# hint 1 vs 64: 0.50 / 2.5 / 5.4 / 18.7 vs 0.29 / 2.15 / 5.15 / 17.8 ms, and the same at one row.
+# of rows). bf16 runs fastest with 1; float32 with 64, at every row count
+# (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 PACKING_ROWS_HINT = {torch.bfloat16: 1, torch.float32: 64}
 # bf16 products of more than LARGE_ROWS rows (long prefill chunks) take a second packing, made for
-# LARGE_ROWS_HINT rows: neither blocking wins at every size. The 2-core AMX Xeon, the 30 layers'
-# products with their epilogues, weights streamed, hint 1 vs 2,048, ms: 768 rows 119 vs 142, 1,024 rows
-# 141-143 vs 167-172, 1,536 rows 193 vs 180, 2,048 rows 253-257 vs 220-223, 4,096 rows 547 vs 460; a
-# 2,048-token prefill step (16 x 128-token prompts) 354 -> 316 ms, lower in each of 12 alternations.
-# float32 gains nothing from it (1,024 / 2,048 rows: 777 / 1,504 ms with hint 64, 785 / 1,492 with 2,048),
-# so it keeps one packing. The second one costs the bf16 weights' size again in memory.
+# LARGE_ROWS_HINT rows: neither blocking wins at every size, and the large one wins past LARGE_ROWS.
+# float32 gains nothing from it, so it keeps one packing. The second one costs the bf16 weights' size
+# again in memory. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 LARGE_ROWS = 1024
 LARGE_ROWS_HINT = 2048
 
@@ -156,9 +149,9 @@ def make_gated_up(weight: torch.Tensor | QuantizedTensor, silu_mul: LinearFn) ->
     """A function computing silu(x @ gate^T) * (x @ up^T) for weight = [gate; up] ([2I, K]), where
     `silu_mul` maps the product [T, 2I] to that. Its kernels apply the silu and the multiplication to
     the float32 results while they are in cache; a separate silu_mul pass read the [T, 2I] product back
-    from memory. linear_amx does it in its epilogue (per layer, weights streamed: 100 rows 0.357 -> 0.308 ms,
-    256 rows 0.738 -> 0.520); oneDNN, for more rows (prefill chunks), as two products with a silu and a
-    multiply epilogue (2,048 rows: 4.22 -> 3.42 ms). The GEMV (1-2 rows) stays a product and a silu_mul."""
+    from memory. linear_amx does it in its epilogue; oneDNN, for more rows (prefill chunks), as two products
+    with a silu and a multiply epilogue (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
+    The GEMV (1-2 rows) stays a product and a silu_mul."""
     if isinstance(weight, QuantizedTensor):
         return make_quantized_linear(weight, silu_mul)
     compute = _onednn_compute_dtype(weight)

@@ -1,4 +1,6 @@
-"""Llama-family forward pass over a packed batch of variable-length spans (no padding).
+"""The decoder forward pass of every family (the Llama layer, plus what a family's config adds: q/k/v
+bias, q/k head norms, norms after attention and MLP, tanh-GELU, scaled embeddings, per-layer sliding
+windows and RoPE bases) over a packed batch of variable-length spans (no padding).
 
 Each call processes T new tokens belonging to several sequences at once. K/V of the new tokens are
 written into the paged cache through `slot_mapping` before attention runs, so attention sees each
@@ -7,7 +9,7 @@ sequence's cached prefix and its new tokens through one interface (see kernels/m
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -15,9 +17,9 @@ import torch
 
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.metadata import AttentionMetadata
-from kvserve.model.config import ModelConfig
+from kvserve.model.config import FULL, ModelConfig
 from kvserve.model.huge_pages import move_into_one_buffer
-from kvserve.model.layer_ops import layer_ops_for
+from kvserve.model.layer_ops import gelu_tanh_mul, head_rms_norm, layer_ops_for, rms_norm
 from kvserve.model.linear import (
     AMX_MAX_ROWS,
     AMX_ROW_BLOCK,
@@ -27,9 +29,13 @@ from kvserve.model.linear import (
     make_gated_up,
     make_linear,
 )
+from kvserve.model.progress import progress
 from kvserve.model.quantized import QuantizedTensor
 from kvserve.model.quantized_linear import QuantizedLinear, make_embedding, quantized_kernels
+from kvserve.model.rope import rope_tables
 from kvserve.model.weights import LayerWeights, ModelWeights, Weight
+
+logger = logging.getLogger(__name__)
 
 
 def projection_weights(layer: LayerWeights) -> tuple[Weight, ...]:
@@ -40,25 +46,27 @@ def projection_weights(layer: LayerWeights) -> tuple[Weight, ...]:
 class LayerLinears(NamedTuple):
     qkv_proj: LinearFn
     o_proj: LinearFn
-    gated_up: LinearFn  # silu(x @ gate^T) * (x @ up^T), from gate_up_proj
+    gated_up: LinearFn  # act(x @ gate^T) * (x @ up^T), from gate_up_proj
     down_proj: LinearFn
 
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# (q, k_cache, v_cache, meta, scale, window=None): window, where given, is how many keys (its own
+# included) a query sees; every backend in kernels/backends.py takes it.
+AttentionFn = Callable[..., torch.Tensor]
 
 
-def rope_tables(config: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position in float32, [max_len, head_dim] in rotate-half layout."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = dict(config.rope_scaling or ())
-    if scaling.get("type", scaling.get("rope_type")) == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif scaling:
-        raise ValueError(f"unsupported rope_scaling {scaling}")
-    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+def torch_path_reasons(config: ModelConfig) -> list[str]:
+    """Why the compiled decode step (kernels/cpu/decode_layers.cpp: the plain Llama layer) cannot run
+    this model; empty where it can."""
+    reasons = [
+        "its q/k/v projections have a bias" if config.attention_bias else "",
+        "it normalizes q and k heads" if config.qk_norm else "",
+        "it has norms after attention and MLP" if config.sandwich_norms else "",
+        f"its MLP gates with {config.activation}" if config.activation != "silu" else "",
+        "it has sliding-window layers" if config.has_windows else "",
+        "its layers use different RoPE bases" if config.sliding_rope_theta is not None else "",
+    ]
+    return [r for r in reasons if r]
 
 
 class LlamaModel:
@@ -79,10 +87,10 @@ class LlamaModel:
             LayerLinears(
                 qkv_proj=make_linear(layer.qkv_proj),
                 o_proj=make_linear(layer.o_proj),
-                gated_up=make_gated_up(layer.gate_up_proj, self.ops.silu_mul),
+                gated_up=self._gated_up(layer),
                 down_proj=make_linear(layer.down_proj),
             )
-            for layer in self.weights.layers
+            for layer in progress(self.weights.layers, "packing weights", "layer")
         ]
         self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
         self.embed = make_embedding(self.weights.embed_tokens)
@@ -93,26 +101,39 @@ class LlamaModel:
         # layers' updates in bf16 loses enough precision to flip greedy choices early on this model.
         self.norms = [(layer.attn_norm.float(), layer.mlp_norm.float()) for layer in self.weights.layers]
         self.final_norm = self.weights.final_norm.float()
-        self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)
-        # The compiled decode step (kernels/cpu/decode_layers.cpp) needs every linear to be a bf16
-        # KernelLinear, or every linear a QuantizedLinear (any dtype); it takes each layer's tensors in this
-        # order (a quantized one as its blocks, with the block types), and their AMX tiles where every
-        # projection has them. It then takes up to AMX_MAX_ROWS rows (quant_linear takes any number; the
-        # one limit keeps the step's cost model), else the bf16 GEMV's few.
+        self.layer_extras = [self._extras(layer) for layer in self.weights.layers]
+        self.rope_cos, self.rope_sin = rope_tables(config, max_len, device)  # the full-attention layers'
+        types = {config.layer_type(i) for i in range(config.num_layers)}
+        tables = {kind: rope_tables(config, max_len, device, kind) for kind in types - {FULL}}
+        tables[FULL] = (self.rope_cos, self.rope_sin)
+        self.layer_rope = [tables[config.layer_type(i)] for i in range(config.num_layers)]
+        self.layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self.embedding_scale = config.embedding_scale
+        # The compiled decode step (kernels/cpu/decode_layers.cpp) runs the plain Llama layer and needs
+        # every linear to be a bf16 KernelLinear, or every linear a QuantizedLinear (any dtype); it takes
+        # each layer's tensors in this order (a quantized one as its blocks, with the block types), and
+        # their AMX tiles where every projection has them. It then takes up to AMX_MAX_ROWS rows
+        # (quant_linear takes any number; the one limit keeps the step's cost model), else the GEMV's few.
+        reasons = torch_path_reasons(config)
         projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
         all_quantized = all(isinstance(p, QuantizedLinear) for layer in projections for p in layer)
         self.decode_kernels = None
-        if device.type == "cpu" and all_quantized:
+        if device.type == "cpu" and not reasons and all_quantized:
             self.decode_kernels = quantized_kernels()
-        elif device.type == "cpu" and dtype == torch.bfloat16 and not self.quantized:
+        elif device.type == "cpu" and not reasons and dtype == torch.bfloat16 and not self.quantized:
             self.decode_kernels = gemv_kernels()
+        if reasons and dtype == torch.bfloat16 and device.type == "cpu" and gemv_kernels() is not None:
+            logger.warning("%s decode steps run on torch ops because %s", config.family, "; ".join(reasons))
         self.decode_layer_tensors = [
             (*(w.blocks if isinstance(w, QuantizedTensor) else w for w in projection_weights(layer)), *norms)
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)
         ]
-        self.decode_block_types = [int(p.weight.qtype) for layer in projections for p in layer] if all_quantized else []
-        all_tiled = all(isinstance(p, KernelLinear) and p.tiles is not None for layer in projections for p in layer)
-        self.decode_layer_tiles = [[p.tiles for p in layer] for layer in projections] if all_tiled else None
+        self.decode_block_types = [
+            int(p.weight.qtype) for layer in projections for p in layer if isinstance(p, QuantizedLinear)
+        ]
+        tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
+        all_tiled = all(t is not None for layer in tiles for t in layer)
+        self.decode_layer_tiles = tiles if all_tiled else None
         self.compiled_decode_max_rows = (
             0
             if self.decode_kernels is None
@@ -124,8 +145,20 @@ class LlamaModel:
         # the LM head's too, runs on linear_amx (the scheduler's row_block); None where the cost follows the rows.
         lm_head_tiled = isinstance(self.lm_head, KernelLinear) and self.lm_head.tiles is not None
         self.product_row_block = AMX_ROW_BLOCK if all_tiled and lm_head_tiled else None
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.softmax_scale
         self.q_size = config.num_heads * config.head_dim
+
+    def _gated_up(self, layer: LayerWeights) -> LinearFn:
+        if self.config.activation == "silu":
+            return make_gated_up(layer.gate_up_proj, self.ops.silu_mul)
+        gate_up = make_linear(layer.gate_up_proj)
+        return lambda x: gelu_tanh_mul(gate_up(x))
+
+    def _extras(self, layer: LayerWeights) -> dict[str, torch.Tensor]:
+        """A layer's tensors beyond the Llama layer's (biases and norms in float32, like the others)."""
+        names = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+        extras = {name: getattr(layer, name) for name in names if getattr(layer, name) is not None}
+        return {name: t if name == "qkv_bias" else t.float() for name, t in extras.items()}
 
     def _stream_from_huge_pages(self) -> None:
         """The projection weights (what the GEMV reads: dense ones in one buffer, GGUF blocks in another)
@@ -158,9 +191,12 @@ class LlamaModel:
         # h, the float32 residual stream, is updated in place by add_rms_norm, which also normalizes
         # it for the next block: each layer's two residual adds are fused into the following norm.
         h = self.embed(input_ids)
+        if self.embedding_scale is not None:
+            h.mul_(torch.tensor(self.embedding_scale, dtype=torch.float32))
         kernels = self.decode_kernels
         if (
             compiled_decode
+            and kernels is not None
             and t <= self.compiled_decode_max_rows
             and max(meta.query_lens_host) <= DECODE_MAX_QUERY_LEN  # every row on the decode kernel
         ):
@@ -175,22 +211,36 @@ class LlamaModel:
         x = ops.add_rms_norm(h, None, layers[0][1][0], eps, self.dtype)
         k_caches, v_caches = (kind.unbind(0) for kind in kv_cache.unbind(1))  # per-layer views, 3 calls
         for index, (linear, (_, mlp_norm)) in enumerate(layers):
+            extras = self.layer_extras[index]
             qkv = linear.qkv_proj(x)
+            if "qkv_bias" in extras:
+                qkv.add_(extras["qkv_bias"])
+            if "q_norm" in extras:
+                heads = qkv[:, : self.q_size + cfg.num_kv_heads * cfg.head_dim].view(t, -1, cfg.head_dim)
+                head_rms_norm(heads, cfg.num_heads, extras["q_norm"], extras["k_norm"], eps)
             k_cache, v_cache = k_caches[index], v_caches[index]
-            ops.rope_write_kv(
-                qkv, positions, self.rope_cos, self.rope_sin, k_cache, v_cache, slot_mapping,
-                cfg.num_heads, cfg.num_kv_heads,
-            )  # fmt: skip
+            cos, sin = self.layer_rope[index]
+            ops.rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, cfg.num_heads, cfg.num_kv_heads)
             q = qkv[:, : self.q_size].view(t, cfg.num_heads, cfg.head_dim)
-            o = attention(q, k_cache, v_cache, meta, self.scale)
-            x = ops.add_rms_norm(h, linear.o_proj(o.reshape(t, self.q_size)), mlp_norm, eps, self.dtype)
+            window = self.layer_windows[index]
+            if window is None:
+                o = attention(q, k_cache, v_cache, meta, self.scale)
+            else:
+                o = attention(q, k_cache, v_cache, meta, self.scale, window=window)
+            o = linear.o_proj(o.reshape(t, self.q_size))
+            if "post_attn_norm" in extras:
+                o = rms_norm(o, extras["post_attn_norm"], eps)
+            x = ops.add_rms_norm(h, o, mlp_norm, eps, self.dtype)
             next_norm = layers[index + 1][1][0] if index + 1 < len(layers) else self.final_norm
-            x = ops.add_rms_norm(h, linear.down_proj(linear.gated_up(x)), next_norm, eps, self.dtype)
+            mlp = linear.down_proj(linear.gated_up(x))
+            if "post_mlp_norm" in extras:
+                mlp = rms_norm(mlp, extras["post_mlp_norm"], eps)
+            x = ops.add_rms_norm(h, mlp, next_norm, eps, self.dtype)
         return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the given rows only (callers select the rows they sample from), in the model dtype:
         the LM head's own output, which the sampler widens to float32 only where it computes with it
-        (a greedy step reads the bf16 rows as they are; widening 100 rows cost 2 ms a step)."""
+        (a greedy step reads the bf16 rows as they are; widening them would cost a copy every step)."""
         return self.lm_head(hidden)

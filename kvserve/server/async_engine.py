@@ -9,13 +9,12 @@ Threading invariants:
 - The thread steps while the engine has work and sleeps on a condition variable otherwise (waking every
   IDLE_WAKE_S, so that signal handlers run on an idle main thread).
 
-`kvserve serve` runs the loop on the process's main thread (`run`) and uvicorn beside it: on this
-CPU every short OpenMP parallel region started from a non-main thread runs 1.5-5x slower, as if the
-team's workers slept between regions: oneDNN's 3072x576 bf16 projection at one row 143 vs 236 us,
-kvserve's GEMV 56 vs 144 us, silu_mul at 64 rows 37 vs 208 us (OMP_WAIT_POLICY=passive makes the
-main thread as slow; OMP_WAIT_POLICY=active and GOMP_SPINCOUNT do not help the other thread). A
-served decode step took 27.6 ms on a thread against 17.5 ms offline. Embedders (tests, Ray
-replicas) may still `start` a thread.
+`kvserve serve` runs the loop on the process's main thread (`run`) and uvicorn beside it: every short
+OpenMP parallel region started from a non-main thread runs several times slower, as if the team's
+workers slept between regions (OMP_WAIT_POLICY=passive makes the main thread as slow;
+OMP_WAIT_POLICY=active and GOMP_SPINCOUNT do not help the other thread), and a served decode step with
+it. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
+Embedders (tests, Ray replicas) may still `start` a thread.
 """
 
 from __future__ import annotations
@@ -97,7 +96,7 @@ class RequestStream:
 
 
 def deliver_threadsafe(
-    loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, RequestOutput | BaseException]]
+    loop: asyncio.AbstractEventLoop, items: Sequence[tuple[RequestStream, RequestOutput | BaseException]]
 ) -> None:
     """Hand items to streams living on `loop` with one wake-up of that loop, however many there are
     (one call_soon_threadsafe per output woke the loop once per request per step)."""
@@ -107,7 +106,7 @@ def deliver_threadsafe(
         pass
 
 
-def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+def _put_all(items: Sequence[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
         stream.put_nowait(item)
 
@@ -185,6 +184,10 @@ class AsyncEngine:
         return self.engine.quantization
 
     @property
+    def max_sequence_len(self) -> int:
+        return self.engine.max_sequence_len
+
+    @property
     def num_in_flight(self) -> int:
         return self._in_flight
 
@@ -204,6 +207,9 @@ class AsyncEngine:
             raise EngineUnavailableError("the server is shutting down")
         if self.error is not None:
             raise EngineUnavailableError(f"the engine loop has failed: {self.error}")
+        if len(prompts) > (queue := self.engine.config.max_waiting_requests):
+            # Not a 429: retrying can never succeed.
+            raise ValueError(f"{len(prompts)} prompts can never be admitted: the waiting queue holds {queue}")
         loop = asyncio.get_running_loop()
         ids = request_ids_of(request_id, len(prompts))
         stream = RequestStream(loop, ids)

@@ -1,4 +1,7 @@
-"""`--api-key`: every request but /health must carry `Authorization: Bearer <key>`.
+"""`--api-key`: every request but /health and the web page's files must carry `Authorization: Bearer <key>`.
+
+The scheme is matched case-insensitively (RFC 9110 11.1: `bearer` is as good as `Bearer`), the key
+exactly, in constant time.
 
 A pure ASGI middleware, so it rejects before the body is read and leaves streaming and disconnect
 detection of the endpoints untouched (Starlette's BaseHTTPMiddleware wraps both).
@@ -13,13 +16,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})
+# The web page's files hold no data (web_ui.py): the page asks for the key and sends it on every call.
+OPEN_PATHS = frozenset({"/health", "/", "/web/app.js", "/web/style.css"})
 
 
 class BearerAuth:
     def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[str, int], None]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -34,4 +38,5 @@ class BearerAuth:
 
     def _authorized(self, scope: Scope) -> bool:
         given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
+        scheme, _, key = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(b" "), self.expected)

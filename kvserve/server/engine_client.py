@@ -18,9 +18,13 @@ from kvserve.server.async_engine import Prompt, RequestStream
 
 
 class EngineClient(Protocol):
-    # error: why nothing can be admitted now (None while healthy); draining: shutting down.
-    error: str | None
+    # draining: shutting down.
     draining: bool
+
+    @property
+    def error(self) -> str | None:
+        """Why nothing can be admitted now (None while healthy)."""
+        ...
 
     # Read-only facts of the served model, used for request validation and response shaping.
     @property
@@ -31,6 +35,10 @@ class EngineClient(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+    @property
+    def max_sequence_len(self) -> int:
+        """The most tokens (prompt + output) one sequence can hold: the context and the KV pool allow."""
 
     # Which weight matrices run from GGUF blocks ("Q4_1 x 120, Q8_0 x 1"), or "none".
     @property

@@ -1,6 +1,9 @@
 """OpenAI-style error bodies, `{"error": {"message", "type", "param", "code"}}`, for every failure.
 
 Client mistakes are 4xx with a message naming the problem; a 500 means a kvserve bug, never bad input.
+A message is cut to MAX_MESSAGE_CHARS, so a body never echoes a large offending value back, and a 500
+closes its connection (`Connection: close`): uvicorn closes it anyway after an unhandled exception, and
+a client told so opens a new one rather than failing its next request on the dead one.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
 
 
 _MAX_ERRORS = 4
+MAX_MESSAGE_CHARS = 500
+CLOSE = {"Connection": "close"}
 
 
 class APIError(Exception):
@@ -39,9 +46,27 @@ class APIError(Exception):
         self.code = code
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    detail = ErrorDetail(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
-    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    detail = ErrorDetail(
+        message=_printable(message, MAX_MESSAGE_CHARS),
+        type=_TYPES.get(status, "server_error"),
+        param=None if param is None else _printable(param, 64),
+        code=code,
+    )
+    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status, headers=headers)
+
+
+def _printable(text: str, limit: int) -> str:
+    """text cut to limit characters, lone surrogates escaped (they cannot be written as UTF-8)."""
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -65,9 +90,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI, on_reject: Callable[[str, int], None]) -> None:
     """Every error response goes through here; on_reject(path, status) counts it."""
 
-    def respond(request: Request, status: int, message: str, param: str | None = None, code: str | None = None):
+    def respond(
+        request: Request,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> JSONResponse:
         on_reject(request.url.path, status)
-        return error_response(status, message, param, code)
+        return error_response(status, message, param, code, headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -81,9 +113,9 @@ def install_error_handlers(app: FastAPI, on_reject: Callable[[str, int], None]) 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return respond(request, exc.status_code, message)
+        return respond(request, exc.status_code, message, headers=dict(exc.headers) if exc.headers else None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(request, 500, f"internal server error: {type(exc).__name__}")
+        return respond(request, 500, f"internal server error: {type(exc).__name__}", headers=CLOSE)

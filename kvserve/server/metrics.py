@@ -44,6 +44,11 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "generated_tokens": ("kvserve_generated_tokens", "counter", "Tokens generated"),
     "preemptions": ("kvserve_preemptions", "counter", "Sequences preempted for lack of KV blocks"),
     "row_block_deferrals": ("kvserve_row_block_deferrals", "counter", "Decode tokens put off a step (row blocks)"),
+    "structured_truncated": (
+        "kvserve_structured_output_truncated",
+        "counter",
+        "Constrained samples cut by max_tokens before their value was complete (finish_reason length)",
+    ),
     "step_failures": ("kvserve_step_failures", "counter", "Iterations that raised (their requests failed)"),
     # Reported only by the router in front of several replicas (ray_client.py).
     "replicas_healthy": ("kvserve_replicas_healthy", "gauge", "Engine replicas answering health probes"),

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI-compatible completions and chat (plain and SSE), models, health, metrics.
 
-A generation request is admitted (all its prompts queued in the engine) before any response byte is
-sent, so every refusal — bad input 400, unknown model 404, full queue 429, draining 503 — is an HTTP
+A generation request is checked against the server's limits (limits.py), tokenized off the event loop
+and the engine thread (inputs.py), and admitted (all its prompts queued in the engine) before any
+response byte is sent, so every refusal — bad input 400, unknown model 404, full queue 429, draining 503 — is an HTTP
 status with an OpenAI error body. Once admitted, its stream is released exactly once, however the
 response ends: a client that goes away aborts it (blocks freed before the next iteration).
 """
@@ -12,24 +13,26 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.engine import QueueFullError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.async_engine import EngineUnavailableError, RequestStream
 from kvserve.server.auth import BearerAuth
+from kvserve.server.body_limit import BodyLimit
 from kvserve.server.chat import ChatFlavor
 from kvserve.server.completions import CompletionsFlavor
 from kvserve.server.engine_client import EngineClient
 from kvserve.server.errors import APIError, error_response, install_error_handlers
+from kvserve.server.inputs import InputProcessor
+from kvserve.server.limits import RequestLimits, ServerLimits
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -40,21 +43,23 @@ from kvserve.server.protocol import (
     ModelCard,
     ModelList,
 )
-from kvserve.server.streaming import Flavor, ResponseMeta, failure_of, sse_events, usage_of
+from kvserve.server.streaming import Flavor, ResponseMeta, SSEResponse, failure_of, sse_events, usage_of
+from kvserve.server.web_ui import install_web_ui
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 500, 503)
 }
 
 
 class _Generator:
     """Admission, tracking and response shaping shared by both generation endpoints."""
 
-    def __init__(self, async_engine: EngineClient, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, async_engine: EngineClient, metrics: ServerMetrics, model_name: str, inputs: InputProcessor):
         self.async_engine = async_engine
         self.metrics = metrics
         self.model_name = model_name
+        self.inputs = inputs
 
     async def __call__(self, request: Request, body: Any, flavor: Flavor, id_prefix: str) -> Response:
         arrival = time.perf_counter()
@@ -66,11 +71,12 @@ class _Generator:
                 "model_not_found",
             )
         meta = ResponseMeta(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, body.n)
+        meta.body = body
         try:
-            prompts, params = flavor.prepare(body)
+            prompts, params = await self.inputs(flavor, body)
             stream = await self.async_engine.submit(meta.id, prompts, params, body.cache_salt, arrival)
         except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            raise APIError(400, str(exc), getattr(exc, "param", None)) from exc
         except QueueFullError as exc:
             raise APIError(429, f"server busy: {exc}; retry later") from exc
         except EngineUnavailableError as exc:
@@ -79,7 +85,7 @@ class _Generator:
         endpoint = request.url.path
         if body.stream:
             events = sse_events(stream, flavor, meta, body.include_usage, body.continuous_usage)
-            return _SSEResponse(events, on_close=lambda: self._close(stream, endpoint))
+            return SSEResponse(events, on_close=lambda: self._close(stream, endpoint))
         try:
             outputs = await _collect(stream, request)
         except Exception as exc:  # the engine failed this request (counted as "failed" by _close)
@@ -108,23 +114,6 @@ class _Generator:
             for output in outputs:
                 self.metrics.observe_finished(output)
         self.metrics.requests.labels(endpoint, outcome).inc()
-
-
-class _SSEResponse(StreamingResponse):
-    """An event stream that runs on_close however it ends: finished, failed, or the client gone —
-    also when the client left before the body iterator ever started (its own finally never runs then)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 async def _collect(stream: RequestStream, request: Request) -> list[RequestOutput] | None:
@@ -164,8 +153,15 @@ def build_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     extra_collectors: Sequence[Collector] = (),
+    web_ui: bool = True,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """The app over one engine client; extra_collectors add to /metrics (e.g. per-replica series)."""
+    """The app over one engine client; extra_collectors add to /metrics (e.g. per-replica series);
+    web_ui: the page at / and its live view's feed (web_ui.py)."""
+    limits = limits or ServerLimits()
+    tokenizer = async_engine.tokenizer
+    max_prompt_chars = limits.max_prompt_chars or async_engine.max_model_len * tokenizer.max_token_bytes
+    inputs = InputProcessor(tokenizer, RequestLimits(limits, async_engine.max_model_len, max_prompt_chars))
     model_name = served_model_name or async_engine.model_name
     created = int(time.time())
     app = FastAPI(title="kvserve", summary="OpenAI-compatible LLM server", version="0.1.0")
@@ -178,11 +174,18 @@ def build_app(
             metrics.requests.labels(path, f"rejected_{status}").inc()
 
     install_error_handlers(app, count_rejection)
-    if api_key:
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=limits.max_request_body_bytes,
+        timeout_s=limits.body_timeout_s,
+        retained_free_bytes=limits.retained_free_memory_bytes,
+        on_reject=count_rejection,
+    )
+    if api_key:  # added last, so it runs first: an unauthorized body is never read
         app.add_middleware(BearerAuth, api_key=api_key, on_reject=count_rejection)
-    generate = _Generator(async_engine, metrics, model_name)
-    completions = CompletionsFlavor(async_engine.tokenizer)
-    chat = ChatFlavor(async_engine.tokenizer, async_engine.max_model_len)
+    generate = _Generator(async_engine, metrics, model_name, inputs)
+    completions = CompletionsFlavor(tokenizer)
+    chat = ChatFlavor(tokenizer, async_engine.max_sequence_len, limits.allow_special_tokens_in_messages)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -214,4 +217,5 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.state.engine_events = install_web_ui(app, async_engine, model_name) if web_ui else None
     return app

@@ -58,7 +58,7 @@ class RayServeConfig:
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits an async __init__
         self,
         model: str,
         engines: dict[str, DeploymentHandle],
@@ -100,7 +100,7 @@ def build_ray_app(
     engines = {
         f"engine-{i}": replica.options(name=f"engine-{i}").bind(engine_config) for i in range(config.num_replicas)
     }
-    ingress = Ingress.options(
+    ingress = Ingress.options(  # type: ignore[attr-defined]  # @serve.deployment made it a Deployment
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         max_ongoing_requests=config.max_ongoing_requests,
     )

@@ -107,6 +107,10 @@ class RayEngineClient:
         return self.info.quantization
 
     @property
+    def max_sequence_len(self) -> int:
+        return self.info.max_sequence_len
+
+    @property
     def error(self) -> str | None:
         if any(r.healthy for r in self.replicas.values()):
             return None

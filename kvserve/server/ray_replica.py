@@ -41,6 +41,7 @@ class ReplicaInfo:
     model_name: str
     max_model_len: int
     block_size: int
+    max_sequence_len: int
     quantization: str
 
 
@@ -52,7 +53,13 @@ class EngineReplica:
 
     def info(self) -> ReplicaInfo:
         engine = self.async_engine.engine
-        return ReplicaInfo(engine.model_name, engine.max_model_len, engine.config.block_size, engine.quantization)
+        return ReplicaInfo(
+            engine.model_name,
+            engine.max_model_len,
+            engine.config.block_size,
+            engine.max_sequence_len,
+            engine.quantization,
+        )
 
     def stats(self) -> dict[str, Any]:
         return self.async_engine.stats()

@@ -6,11 +6,13 @@ or one chunk looks; the order of events is defined once, here.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
@@ -24,6 +26,9 @@ class ResponseMeta:
     created: int
     model: str
     n: int  # samples per prompt; choice index = prompt index * n + sample index
+    body: Any = None  # the validated request, for what shapes its responses (echo, tools)
+    # Per-choice state a flavor keeps across the chunks of one stream (chat's tool-call parser).
+    stream_state: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,7 +44,7 @@ class ChoiceDelta:
 
 
 class Flavor(Protocol):
-    def prepare(self, body: BaseModel) -> tuple[list[Prompt], SamplingParams]: ...
+    def prepare(self, body: Any) -> tuple[list[Prompt], SamplingParams]: ...
 
     def response(self, meta: ResponseMeta, outputs: list[RequestOutput], usage: Usage) -> BaseModel: ...
 
@@ -114,3 +119,20 @@ async def sse_events(
     except Exception as exc:  # the headers are sent: an error can only travel as an event
         yield error_event(f"request failed: {type(exc).__name__}: {exc}")
     yield sse("[DONE]")
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream that runs on_close however it ends: finished, failed, or the client gone —
+    also when the client left before the body iterator ever started (its own finally never runs then)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

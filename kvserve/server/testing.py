@@ -1,7 +1,9 @@
-"""Run an app on a free local port in a background thread (tests, notebooks, end-to-end benchmarks)."""
+"""Run an app on a free local port in a background thread (tests, notebooks, end-to-end benchmarks);
+and how those drive the web page in a browser."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -9,6 +11,19 @@ from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI
+
+# Debian's chromium, headless, without a sandbox (CI runs as root), a GPU or any network of its own.
+CHROMIUM = shutil.which("chromium")
+CHROMIUM_ARGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
 
 
 class ServerThread:

@@ -47,8 +47,9 @@ class NgramProposer(Proposer):
     occurrence, and propose the up-to-num_tokens tokens that followed it.
 
     Cost: O(len * max_n) vectorized compares, with an early exit once no occurrence of the current
-    length survives: 5-25 us for 4k tokens given an int64 numpy array; a Python list first costs a
-    conversion (~25 us per 1k tokens), so callers keeping ids in an array should pass it directly.
+    length survives; a Python list first costs a conversion that can exceed the search itself, so
+    callers keeping ids in an array should pass it directly
+    (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:

@@ -23,7 +23,7 @@ def build_draft_proposer(
         if loaded.config.vocab_size != tgt.vocab_size:
             raise ValueError("speculative.draft_model must share the target's tokenizer (vocab sizes differ)")
         max_len = target.model.rope_cos.shape[0]
-        model = LlamaModel(loaded.config, loaded.weights, dtype, device, max_len)
+        model = LlamaModel(loaded.config, loaded.load_weights(dtype), dtype, device, max_len)
         # The draft's own paged KV, addressed by the same block ids as the target's.
         cache = KVCache(model, num_blocks, target.cache.block_size)
         return DraftModelProposer(ModelRunner(model, cache, target.attention), None, mirrors_target=True)

@@ -22,6 +22,7 @@ from kvserve.engine.sampler import greedy_tokens, policy_probs
 from kvserve.engine.sequence import Sequence
 from kvserve.spec.proposers import NgramProposer, Proposal
 from kvserve.spec.rejection import verify_greedy, verify_sampled
+from kvserve.structured.masks import mask_draft_rows
 
 _EMA = 0.05
 
@@ -126,6 +127,7 @@ class Speculator:
             return [
                 self.ngram.propose(s.token_ids, kk) if kk > 0 else Proposal([]) for s, kk in zip(seqs, ks, strict=True)
             ]
+        assert self.draft is not None  # a speculator has an n-gram proposer or a draft model
         return self.draft.propose(seqs, ks)
 
     # ---- verification ----
@@ -137,6 +139,10 @@ class Speculator:
         """
         k = target_logits.shape[0] - 1
         draft = Proposal(draft.tokens[:k], draft.probs[:k] if draft.probs is not None else None)
+        if seq.matcher is not None:
+            # Row i is masked by the grammar after drafts[:i]: a draft the grammar forbids has target
+            # probability 0 and is rejected, so rows past it (masked arbitrarily) are never reached.
+            target_logits = mask_draft_rows(target_logits, seq.matcher, draft.tokens)
         if seq.params.greedy:
             emitted = verify_greedy(draft.tokens, greedy_tokens(target_logits).tolist())
         else:

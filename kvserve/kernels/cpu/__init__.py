@@ -1,43 +1,56 @@
-"""kvserve's own CPU kernels (one .cpp file per kernel, declared in ops.h), compiled on first use
-with torch's C++ extension builder.
+"""kvserve's own CPU kernels (one .cpp file per kernel, declared in ops.h).
 
 Each kernel fuses a chain of small torch ops on the decode hot path; the pure-torch function it
 replaces lives in kvserve/model/layer_ops.py (and kernels/attention_sdpa.py for attention), serves as
-the fallback where the extension cannot be built (no compiler, CUDA tensors), and is the reference
+the fallback where the kernels cannot be built (no compiler, CUDA tensors), and is the reference
 tests/test_cpu_ops.py compares it with.
 
-The build is cached by torch under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), keyed by
-the source and flags, so only the first process after a change pays the compile (~1-4 minutes on 2
-cores). A build killed midway leaves torch's lock file behind, and torch would make every later
-process wait on it forever without a word; `load` removes a lock older than any real build.
-`-march=native` is right because the build happens on the machine that runs it.
-`KVSERVE_CPU_KERNELS=0` turns the kernels off (torch ops everywhere).
+`load()` picks, once per process (`choice()` says which and why; the startup report prints it):
+1. nothing when KVSERVE_CPU_KERNELS=0 (torch ops everywhere);
+2. the module `pip install` built (setup.py, kvserve.kernels.cpu._prebuilt), if the fingerprint written
+   into it matches this machine's (build_config.py: same sources, flags, torch and CPU features), so a
+   fresh install starts without compiling; KVSERVE_CPU_KERNELS=jit skips it;
+3. otherwise a build for this CPU with torch's JIT builder, cached under TORCH_EXTENSIONS_DIR (default
+   ~/.cache/torch_extensions) so only the first process after a change pays it. It is logged before it
+   starts and when it ends; processes build one at a time (an flock, released even when its holder is
+   killed), and one that waits for another's build says so;
+4. nothing, with the reason logged, where neither works.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from kvserve.kernels.cpu import build_config
+
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted(str(path) for path in Path(__file__).parent.glob("*.cpp"))
-# -ffp-contract=off: no FMA contraction, so float32 results round like the torch ops they replace.
-# -fno-trapping-math (as torch itself is built): without it GCC will not vectorize floor().
-CFLAGS = [
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp",
-    "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
-]  # fmt: skip
-
-
-NAME = "kvserve_cpu_ops"
-# A whole build takes ~4 minutes on 2 cores; a lock file older than this belongs to no live build.
+NAME = build_config.NAME
+SOURCES = [str(path) for path in build_config.sources()]
+CFLAGS = build_config.CFLAGS
+# The size of a whole build in core-minutes, for the estimate the log gives before one starts.
+BUILD_CORE_MINUTES = 10
+# torch's own lock file, left behind by a build killed midway: torch would wait on it forever.
 STALE_LOCK_S = 20 * 60
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    module: ModuleType | None
+    source: str  # "install build", "run-time build", "off" or "unavailable"
+    reason: str
 
 
 def build_directory() -> Path:
@@ -49,38 +62,99 @@ def build_directory() -> Path:
 
 
 def remove_stale_lock(directory: Path) -> bool:
-    """Remove the build lock in `directory` if it is older than STALE_LOCK_S; True when it did."""
+    """Remove torch's build lock in `directory` if it is older than STALE_LOCK_S; True when it did."""
     lock = directory / "lock"
     try:
         age_s = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return False
     if age_s < STALE_LOCK_S:
-        return False  # another process may be building right now: torch waits for it
+        return False
     logger.warning("removing %s, left %.0f minutes ago by a build that did not finish", lock, age_s / 60)
     lock.unlink(missing_ok=True)
     return True
 
 
-@functools.cache
-def load() -> ModuleType | None:
-    """The compiled kernels, or None (with the reason logged once) where they cannot be built."""
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load as build
+def current_fingerprint() -> str:
+    import torch
 
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
+    return build_config.fingerprint(torch.__version__)
+
+
+def prebuilt_mismatch(fingerprint: str) -> str | None:
+    """None when the install build exists and fits `fingerprint`, else why it cannot be used."""
+    spec = importlib.util.find_spec(f"{__name__}.{build_config.PREBUILT_NAME}")
+    if spec is None or spec.origin is None:
+        return "no install build (installed without building the kernels, or run from a source tree)"
+    embedded = build_config.embedded_fingerprint(Path(spec.origin))
+    if embedded != fingerprint:
+        return "the install build does not fit this machine (sources, flags, torch or CPU features changed)"
+    return None
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `lock_path`, logging when another process holds it first."""
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("another process is building the CPU kernels (%s holds the lock): waiting for it", lock_path)
+            started = time.monotonic()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            logger.warning("waited %.0f s for the other process's CPU kernel build", time.monotonic() - started)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build_for_this_cpu(fingerprint: str, why: str) -> ModuleType:
+    """The run-time build (or its cache), logged before and after whenever it compiles."""
+    from torch.utils.cpp_extension import load as jit_load
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    stamp = directory / "kvserve-fingerprint"
+    with exclusive(directory / "kvserve-build.lock"):
         remove_stale_lock(directory)
-        return build(
+        cached = (directory / f"{NAME}.so").exists() and stamp.exists() and stamp.read_text() == fingerprint
+        if not cached:
+            minutes = max(1, round(BUILD_CORE_MINUTES / (os.cpu_count() or 1)))
+            logger.warning("building CPU kernels for this CPU (first start only, ~%d min): %s", minutes, why)
+        started = time.monotonic()
+        module = jit_load(
             name=NAME,
             build_directory=str(directory),
             sources=SOURCES,
             extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=build_config.LDFLAGS,
             verbose=False,
         )
+        if not cached:
+            logger.warning("built the CPU kernels in %.0f s (cached in %s)", time.monotonic() - started, directory)
+            stamp.write_text(fingerprint)
+    return module
+
+
+@functools.cache
+def choice() -> KernelChoice:
+    """Which kernels this process uses, and why (see the module docstring for the order)."""
+    setting = os.environ.get("KVSERVE_CPU_KERNELS", "1")
+    if setting == "0":
+        return KernelChoice(None, "off", "KVSERVE_CPU_KERNELS=0")
+    try:
+        fingerprint = current_fingerprint()
+        why = "KVSERVE_CPU_KERNELS=jit" if setting == "jit" else prebuilt_mismatch(fingerprint)
+        if why is None:
+            module = importlib.import_module(f"{__name__}.{build_config.PREBUILT_NAME}")
+            return KernelChoice(module, "install build", "its fingerprint matches this machine")
+        return KernelChoice(build_for_this_cpu(fingerprint, why), "run-time build", why)
     except Exception as exc:  # no compiler, no ninja, a header mismatch: fall back to torch ops
         logger.warning("kvserve CPU kernels unavailable, using torch ops instead: %s", exc)
-        return None
+        return KernelChoice(None, "unavailable", str(exc))
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels, or None (with the reason logged once) where they are off or cannot be built."""
+    return choice().module

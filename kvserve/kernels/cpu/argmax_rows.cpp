@@ -1,7 +1,8 @@
 // Row-wise argmax of float32 or bf16 logits: the greedy sampler's whole work each step.
 //
-// torch.max(dim=-1) reads 100 rows of SmolLM2's 49,152 bf16 logits in ~3.7 ms here (~2.6 GB/s, and only
-// after a 2 ms widening copy to float32); this reads the bf16 rows as they are, at memory speed.
+// torch.max(dim=-1) reads bf16 logits far below memory speed, and only after a widening copy to float32;
+// this reads the bf16 rows as they are, at memory speed
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 // Same answer as torch.max(dim=-1).indices: the first maximal index, and a NaN counts as the maximum
 // (the first NaN wins).
 #include "common.h"
@@ -36,7 +37,8 @@ int64_t argmax_row(const T* x, int64_t n) {
 #ifdef __AVX512F__
   // Per lane: the largest value so far and where it first occurred (strictly greater replaces).
   __m512 lane_max = _mm512_set1_ps(-INFINITY);
-  __m512i lane_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i lane_index = _mm512_setzero_si512(),
+          index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i step = _mm512_set1_epi32(16);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {

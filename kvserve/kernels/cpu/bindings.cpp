@@ -9,7 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "first maximal index of each row (NaN counts as the maximum)");
   m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
-  m.def("set_amx_attention", &set_amx_attention, "allow decode_attention's AMX kernel (default); returns the old value");
+  m.def("set_amx_attention", &set_amx_attention,
+        "allow decode_attention's AMX kernel (default); returns the old value");
   m.def("amx_available", &amx_permitted, "whether the AMX kernels (attention, linear_amx) can run here");
   m.def("amx_attention_applies", &amx_attention_applies, "whether decode_attention runs these q/cache on AMX");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
@@ -19,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "GGUF block rows (uint8 [N, row_bytes]) of a GGML type -> float32 [N, K]");
   m.def("quant_gemv", &quant_gemv, "x @ W.T for 1-2 rows, W in GGUF blocks; x quantized per 32 to int8");
   m.def("quant_linear", &quant_linear, "x @ W.T for any rows, W in GGUF blocks dequantized panel by panel");
-  m.def("decode_layers", &decode_layers, "every decoder layer of a decode step (bf16 or GGUF-block weights), final norm applied");
+  m.def("decode_layers", &decode_layers,
+        "every decoder layer of a decode step (bf16 or GGUF-block weights), final norm applied");
 }

@@ -30,13 +30,11 @@
 #include <vector>
 
 // The model dtypes: float32 and bfloat16 (anything else is refused with an error naming the dtype).
-#define KVSERVE_DISPATCH(dtype, ...) \
-  AT_DISPATCH_SWITCH(dtype, "kvserve_cpu_ops", AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                                   AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
-
+#define KVSERVE_DISPATCH(dtype, ...)           \
+  AT_DISPATCH_SWITCH(dtype, "kvserve_cpu_ops", \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace kvserve {
-
 
 // bfloat16 data is handled as its raw uint16_t bits: GCC does not vectorize loads of the c10::BFloat16
 // class, and the conversions below are a shift and a rounding add. raw_t<scalar_t> is the element
@@ -57,9 +55,7 @@ raw_t<scalar_t>* raw(const at::Tensor& t) {
 }
 
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16_bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits) << 16);
-}
+inline float to_float(uint16_t bf16_bits) { return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits) << 16); }
 
 template <typename T>
 inline T from_float(float x);
@@ -75,10 +71,10 @@ inline uint16_t from_float<uint16_t>(float x) {
   return static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
 }
 
-// Flush-to-zero and denormals-are-zero for the current thread while a kernel runs, restored after.
-// Measured: silu_mul over 64 x 1536 floats took 360 us with denormal handling on and 44 us with it
-// off, on this CPU (microcode assists on the masked vector paths). Values below 1e-38 do not matter
-// to any result here.
+// Flush-to-zero and denormals-are-zero for the current thread while a kernel runs, restored after:
+// denormal handling costs microcode assists on the masked vector paths, several times the kernel's
+// time (figures: benchmarks/RESULTS.md, "Figures behind the code's rules"). Values below 1e-38 do not
+// matter to any result here.
 class FlushDenormals {
  public:
   FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }  // FTZ (bit 15) | DAZ (bit 6)

@@ -110,8 +110,8 @@ constexpr int64_t kLanes = 16;
 inline int64_t padded_width(int64_t dim) { return (dim + kLanes - 1) / kLanes * kLanes; }
 
 // Prefetches of the next tile asked for after V's regrouping and before each head's rows (PacedPrefetch);
-// the rest after the tile's last head. Per 30 layers against all of them at once, 100 x 1/190 bf16: 16 ->
-// 24 % faster, 32 -> 23 %, 64 -> 17 %; 1 x 1/1,024: 16 -> 11 %, 32 -> 1 %; float32 caches: 13-15 %.
+// the rest after the tile's last head. 16 was the best batch size measured
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kPrefetchBatch = 16;
 
 // row_acc[:Parts * lanes] = row_acc * alpha + sum_j p[j] v[j][:Parts * lanes] over `visible` keys
@@ -133,7 +133,7 @@ inline void accumulate_slice(const float* __restrict p, float alpha, int64_t vis
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v[j] for every row that sees the tile; V widened to
 // float32 [kTile, width]. The products are fused into the sums (one rounding, where the file's
 // -ffp-contract=off would round twice): attention is compared with the float64 oracle within a
-// tolerance, not with a torch op bit for bit, and the fused form was 3-10 % faster per call. A row is
+// tolerance, not with a torch op bit for bit, and the fused form is faster. A row is
 // taken kRowBlock floats at a time, held in registers across the tile's keys: that many floats are
 // independent chains of multiply-adds (8 AVX2 registers), so a key's products need not wait for the
 // previous key's; with one 16-float slice per row at a time, two AVX2 chains each waited on the last.
@@ -185,10 +185,9 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
   const bool bf16_dot = bf16_scores<T>(dim);
   const int64_t width = padded_width(dim);
   // A work item is one sequence and `heads` of its KV heads. Whole sequences (all heads) read each
-  // tile's K/V rows as one contiguous run; with the cache cold, as it is between a step's layers,
-  // that ran ~1.1-1.2x faster than one item per head (median of 10, 100 x 192 and 64 x 1,024 keys).
-  // One head per item only where there are too few sequences to keep every thread busy (batch 1 with
-  // the cache warm: 1.6x faster than one item for the sequence).
+  // tile's K/V rows as one contiguous run, faster with the cache cold, as it is between a step's layers,
+  // than one item per head. One head per item only where there are too few sequences to keep every
+  // thread busy (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
   const int64_t heads = p.num_seqs >= 2 * at::get_num_threads() ? hkv : 1;
   const int64_t items_per_seq = hkv / heads;
   at::parallel_for(0, p.num_seqs * items_per_seq, 1, [=](int64_t begin, int64_t end) {
@@ -199,8 +198,8 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
     std::vector<T> kb(heads * kTile * dim);
     std::vector<const T*> q_rows;
     std::vector<int64_t> last_key, visible;  // per row: last key it may see; keys of this tile it sees
-    std::vector<float> probs, alpha;  // per row: [kTile] scores, then probabilities; rescale factor
-    PacedPrefetch<T> prefetch;  // the next tile's K/V rows
+    std::vector<float> probs, alpha;         // per row: [kTile] scores, then probabilities; rescale factor
+    PacedPrefetch<T> prefetch;               // the next tile's K/V rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / items_per_seq], first_head = item % items_per_seq * heads;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
@@ -255,8 +254,8 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
               }
               alpha[r] = softmax_tile(scores, visible[r], p.scale, m[r], l[r]);
             }
-            accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows,
-                            width, &acc[r0 * width]);
+            accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows, width,
+                            &acc[r0 * width]);
           }
           prefetch.issue(-1);
         }
@@ -273,24 +272,34 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
                       at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale) {
   RECORD_FUNCTION("kvserve::decode_attention", {});  // named in torch profiler traces
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with a contiguous last dim");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(
+      k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+      "caches must be contiguous [blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "q, caches and out must share one dtype");
+                  out.scalar_type() == q.scalar_type(),
+              "q, caches and out must share one dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head counts or dims disagree");
   TORCH_CHECK(out.is_contiguous() && out.size(1) == q.size(1) && out.size(2) == q.size(2) && out.size(0) >= q.size(0),
               "out must be contiguous [>= T, Hq, D]");
   for (const auto& t : {block_tables, seq_lens, cu_seqlens_q, seq_ids}) {
     TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "index tensors must be contiguous int64");
   }
-  const DecodeProblem problem{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), q.stride(0), q.stride(1),
-                              block_tables.size(1), block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-                              cu_seqlens_q.data_ptr<int64_t>(), seq_ids.data_ptr<int64_t>(), seq_ids.size(0),
+  const DecodeProblem problem{q.size(1),
+                              k_cache.size(2),
+                              q.size(2),
+                              k_cache.size(1),
+                              q.stride(0),
+                              q.stride(1),
+                              block_tables.size(1),
+                              block_tables.data_ptr<int64_t>(),
+                              seq_lens.data_ptr<int64_t>(),
+                              cu_seqlens_q.data_ptr<int64_t>(),
+                              seq_ids.data_ptr<int64_t>(),
+                              seq_ids.size(0),
                               static_cast<float>(scale)};
   KVSERVE_DISPATCH(q.scalar_type(), [&] {
-    if (amx_decode_supported(problem) &&
-        decode_attention_amx(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
-                             raw<scalar_t>(out))) {
+    if (amx_decode_supported(problem) && decode_attention_amx(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache),
+                                                              raw<scalar_t>(v_cache), raw<scalar_t>(out))) {
       return;
     }
     decode_attention_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),

@@ -23,7 +23,9 @@ struct DecodeProblem {
 struct QueryRow {
   int64_t token, q_head;
 };
-inline QueryRow query_row(int64_t r, int64_t kv_head, int64_t group) { return {r / group, kv_head * group + r % group}; }
+inline QueryRow query_row(int64_t r, int64_t kv_head, int64_t group) {
+  return {r / group, kv_head * group + r % group};
+}
 
 // out's row for a query: acc / l, rounded once to the output dtype. l >= 1: in both kernels the
 // reference m is one of the row's own scores, whose term exp(0) = 1 is in l.
@@ -67,7 +69,7 @@ inline float softmax_tile(float* __restrict scores, int64_t visible, float scale
 // are computed: cache blocks lie anywhere, so the hardware prefetcher loses the stream at every block
 // boundary. Why a few at a time: a core has ~16 line-fill buffers, and the 128-384 prefetches of a tile
 // asked for at once held the core until most of them had been sent, so the kernel's memory reads and its
-// arithmetic ran one after the other (AMX decode at 100 x 1/190: 30.8 -> 25.8 ms per 30 layers once paced).
+// arithmetic ran one after the other (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 template <typename T>
 class PacedPrefetch {
  public:
@@ -107,8 +109,8 @@ class PacedPrefetch {
 // The AMX kernel (decode_attention_amx.cpp), for bf16 caches where amx_decode_supported says the
 // shapes and the CPU allow it. The float32 overload computes nothing and returns false.
 bool amx_decode_supported(const DecodeProblem& p);
-bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache,
-                          const uint16_t* v_cache, uint16_t* out);
+bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                          uint16_t* out);
 inline bool decode_attention_amx(const DecodeProblem&, const float*, const float*, const float*, float*) {
   return false;
 }

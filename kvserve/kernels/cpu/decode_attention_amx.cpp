@@ -16,7 +16,7 @@
 //
 // Why the output stays in tile registers: AMX tiles are not renamed, so storing the output after
 // every step and rescaling it (as the vector kernel does) serializes the whole step on the
-// products' latency; that version was only 1.1x faster than the AVX-512 kernel. Here the output tiles
+// products' latency; that version was barely faster than the AVX-512 kernel. Here the output tiles
 // accumulate across steps, and the softmax is rescaled lazily: each row's exponentials are taken
 // against a reference max m that moves only when a step's max exceeds it by more than kRescaleAbove
 // (then the output tiles are stored, scaled and reloaded, rarely after the first steps). Every
@@ -41,14 +41,14 @@ namespace {
 constexpr int64_t kChunkRows = 16;     // query rows per tile
 constexpr int64_t kDimsPerChunk = 32;  // bf16 elements in one 64-byte tile row
 constexpr int64_t kStepKeys = 2 * kTile;
-constexpr int64_t kMaxDim = 64;        // four output tiles of 16 float32 columns
-constexpr float kRescaleAbove = 8.f;   // natural-log units: probabilities stay <= e^8 ~ 3e3
+constexpr int64_t kMaxDim = 64;       // four output tiles of 16 float32 columns
+constexpr float kRescaleAbove = 8.f;  // natural-log units: probabilities stay <= e^8 ~ 3e3
 // Chunks with at least this many query rows take the softmax step across rows (softmax_across_rows);
 // fewer rows (a decode step's 3 per KV head) go row by row, where the cost is per row.
 constexpr int64_t kRowsForSoftmaxAcrossRows = 8;
 // Prefetches asked for at each of six points through a decode step (PacedPrefetch, decode_attention.h),
-// the rest after its last product. Decode attention at 100 x 1/190, per 30 layers, against all of a
-// half's prefetches at once: batches of 8, 12, 16, 20 and 32 ran 10.9, 14.2, 15.0, 14.0 and 11.3 % faster.
+// the rest after its last product. 16 was the best batch size measured
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kPrefetchBatch = 16;
 
 // Tile registers, all 16 rows x 64 bytes. Macros, not constants: GCC's _tile_* intrinsics paste the
@@ -67,8 +67,8 @@ constexpr int64_t kPrefetchBatch = 16;
 // stale NaN would still be NaN.
 void regroup_value_pairs(const uint16_t* __restrict v, int64_t key_stride, int64_t nkeys, int64_t dim,
                          uint16_t* __restrict values) {
-  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-                                                    8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
@@ -135,11 +135,14 @@ inline __m512i column_offsets() {
 // returns whether any row's m moved, so that its output needs rescaling.
 bool softmax_across_rows(float* __restrict scores_t, const int32_t* last_key, int64_t step, float scale, float* m,
                          float* l, float* alpha, uint16_t* __restrict probs) {
-  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i last = _mm512_load_si512(last_key);
   const __m512 floor = _mm512_set1_ps(-1e30f), scale_v = _mm512_set1_ps(scale);
-  const auto seen = [&](int64_t key) { return _mm512_cmpge_epi32_mask(last, _mm512_set1_epi32(static_cast<int32_t>(key))); };
+  const auto seen = [&](int64_t key) {
+    return _mm512_cmpge_epi32_mask(last, _mm512_set1_epi32(static_cast<int32_t>(key)));
+  };
   __m512 step_max = floor;
   for (int64_t k = 0; k < kStepKeys; ++k) {  // unseen keys (also a skipped half's stale scores) -> floor
     const __m512 s = _mm512_mask_mul_ps(floor, seen(step + k), _mm512_load_ps(scores_t + k * kChunkRows), scale_v);
@@ -160,9 +163,10 @@ bool softmax_across_rows(float* __restrict scores_t, const int32_t* last_key, in
   const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int64_t i = 0; i < kStepKeys / 2; ++i) {
     const int64_t k = 2 * i;
-    const __m512 p0 = _mm512_maskz_mov_ps(seen(step + k), fast_exp(_mm512_sub_ps(_mm512_load_ps(scores_t + k * kChunkRows), ref)));
-    const __m512 p1 = _mm512_maskz_mov_ps(seen(step + k + 1),
-                                          fast_exp(_mm512_sub_ps(_mm512_load_ps(scores_t + (k + 1) * kChunkRows), ref)));
+    const __m512 p0 =
+        _mm512_maskz_mov_ps(seen(step + k), fast_exp(_mm512_sub_ps(_mm512_load_ps(scores_t + k * kChunkRows), ref)));
+    const __m512 p1 = _mm512_maskz_mov_ps(
+        seen(step + k + 1), fast_exp(_mm512_sub_ps(_mm512_load_ps(scores_t + (k + 1) * kChunkRows), ref)));
     sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     _mm512_store_si512(pairs[i], _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
   }
@@ -186,8 +190,8 @@ bool softmax_row_by_row(const float* scores_t, const int32_t* last_key, int64_t 
     const int64_t visible = last_key[r] - step + 1;  // last_key < slen
     const __mmask16 seen_low = first_lanes(visible), seen_high = first_lanes(visible - kTile);
     const __m512 low = _mm512_mask_mul_ps(floor, seen_low, _mm512_i32gather_ps(key_rows, scores_t + r, 4), scale_v);
-    const __m512 high =
-        _mm512_mask_mul_ps(floor, seen_high, _mm512_i32gather_ps(key_rows, scores_t + kTile * kChunkRows + r, 4), scale_v);
+    const __m512 high = _mm512_mask_mul_ps(
+        floor, seen_high, _mm512_i32gather_ps(key_rows, scores_t + kTile * kChunkRows + r, 4), scale_v);
     const float step_max = _mm512_reduce_max_ps(_mm512_max_ps(low, high));
     alpha[r] = 1.f;
     if (step_max > m[r] + kRescaleAbove) {
@@ -252,8 +256,8 @@ class ItemSplit {
   int64_t parts_;
 };
 
-bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache,
-                          const uint16_t* v_cache, uint16_t* out) {
+bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                          uint16_t* out) {
   const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
   const int64_t dim_chunks = dim / kDimsPerChunk;
   const ItemSplit split(p);
@@ -262,7 +266,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
     const FlushDenormals ftz;
     const TileConfig config = tile_config();
     _tile_loadconfig(&config);
-    alignas(64) float scores_t[kStepKeys * kChunkRows];      // [key][row]: two score tiles
+    alignas(64) float scores_t[kStepKeys * kChunkRows];       // [key][row]: two score tiles
     alignas(64) uint16_t probs[kChunkRows * kStepKeys] = {};  // [row][key]; rows past the chunk stay finite
     alignas(64) uint16_t values[kStepKeys * kMaxDim];         // [key pair][d][2]
     alignas(64) float acc[kChunkRows * kMaxDim];              // [row][d]
@@ -279,7 +283,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
         const int64_t rows = std::min(kChunkRows, head_rows - first_row);
         // Prefetching: an item's first chunk reads its keys from memory, so while each step computes it asks
         // for the next step's K/V (PacedPrefetch). Later chunks of the item (prefill) find them in cache and
-        // ask for nothing: prefetching there cost them 8-14 %. The item's last step asks for the first step
+        // ask for nothing: prefetching there only slowed them. The item's last step asks for the first step
         // of the next item.
         const bool first_chunk = first_row == 0, last_chunk = first_row + kChunkRows >= head_rows;
         std::fill(std::begin(query_t), std::end(query_t), 0u);
@@ -289,7 +293,8 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
         for (int64_t r = 0; r < rows; ++r) {
           const QueryRow row = query_row(first_row + r, head, group);
           const uint16_t* q_row = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
-          for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(&query_t[pair * kChunkRows + r], q_row + 2 * pair, 4);
+          for (int64_t pair = 0; pair < dim / 2; ++pair)
+            std::memcpy(&query_t[pair * kChunkRows + r], q_row + 2 * pair, 4);
           last_key[r] = static_cast<int32_t>(slen - qlen + row.token);  // causal: keys 0 .. its own position
         }
         _tile_zero(TILE_OUT0);
@@ -302,8 +307,8 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
             prefetch.plan(p, table, step + kStepKeys, kStepKeys, keys_end, k_cache, v_cache, head, 1);
           } else if (last_chunk && step + kStepKeys >= keys_end && item + 1 < end) {
             const int64_t next_seq = p.seq_ids[(item + 1) / hkv];
-            prefetch.plan(p, p.tables + next_seq * p.table_width, 0, kStepKeys, p.seq_lens[next_seq], k_cache,
-                          v_cache, (item + 1) % hkv, 1);
+            prefetch.plan(p, p.tables + next_seq * p.table_width, 0, kStepKeys, p.seq_lens[next_seq], k_cache, v_cache,
+                          (item + 1) % hkv, 1);
           }
           // Two 16-key halves, each inside one block; a half no row sees is not read at all.
           for (int64_t half = 0; half < 2; ++half) {

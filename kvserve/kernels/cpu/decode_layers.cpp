@@ -1,7 +1,8 @@
 // All decoder layers of a decode step, in one call.
 //
-// At batch 1 the layer loop in Python (kvserve/model/llama.py, LlamaModel.forward) cost ~3 ms of a
-// ~17 ms step in interpreter and dispatch overhead around ~210 kernel calls. This is the same loop,
+// At batch 1 the layer loop in Python (kvserve/model/llama.py, LlamaModel.forward) spends a good part of
+// a step in interpreter and dispatch overhead around ~210 kernel calls (figures:
+// benchmarks/RESULTS.md, "Figures behind the code's rules"). This is the same loop,
 // calling the same kernels in the same order (so its result is bit-identical), from C++. It runs
 // only where every linear is a bf16 KernelLinear (kvserve/model/linear.py) or every linear a
 // QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel: up to
@@ -33,10 +34,10 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 }  // namespace
 
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
-                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps,
-                         at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
-                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids,
-                         double scale, int64_t hq, int64_t hkv) {
+                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
+                         at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
+                         at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
+                         int64_t hkv) {
   RECORD_FUNCTION("kvserve::decode_layers", {});  // named in torch profiler traces
   TORCH_CHECK(!layers.empty() && layers.size() % kTensorsPerLayer == 0, "layers must hold ", kTensorsPerLayer,
               " tensors per layer");
@@ -49,7 +50,9 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
   const int64_t t = h.size(0), dim = cos.size(1), q_size = hq * dim;
   const auto dtype = kv_cache.scalar_type();
   // Per layer: qkv_proj, o_proj, gate_up_proj, down_proj weights, then attn_norm, mlp_norm (float32).
-  auto weight = [&](int64_t layer, int64_t which) -> const at::Tensor& { return layers[layer * kTensorsPerLayer + which]; };
+  auto weight = [&](int64_t layer, int64_t which) -> const at::Tensor& {
+    return layers[layer * kTensorsPerLayer + which];
+  };
   // Product `which` (0-3, the order of `layers`) of a layer, on its tiles where they were given.
   auto product = [&](const at::Tensor& x, int64_t layer, int64_t which) {
     const at::Tensor* packed = tiles.empty() ? nullptr : &tiles[layer * kTilesPerLayer + which];

@@ -1,10 +1,11 @@
 // y = x @ W^T for a few rows of x, both bfloat16, W [N, K] row-major as the checkpoint stores it.
 //
 // At a handful of rows a linear layer is a stream over its weight (each element is used once per
-// row), so its speed limit is memory bandwidth. oneDNN's packed bf16 kernels read the weights at
-// ~15-20 GB/s at one row on the AMX Xeon; this kernel at 22-25 GB/s. This loop reads each weight row
-// once for all rows of x. bf16 x bf16 products are exact in float32 and are summed in float32; each
-// result is rounded to bf16 once, as oneDNN's is. Two instruction sets compute the products:
+// row), so its speed limit is memory bandwidth, and this kernel reads the weights faster than oneDNN's
+// packed bf16 kernels at one row (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
+// This loop reads each weight row once for all rows of x. bf16 x bf16 products are exact in float32
+// and are summed in float32; each result is rounded to bf16 once, as oneDNN's is. Two instruction sets compute the
+// products:
 // - AVX512-BF16: the pairwise dot product straight from the bf16 bits (32 per register);
 // - AVX2 + FMA (CPUs without AVX-512, e.g. AMD Zen 3): each weight register of 16 bf16 is widened to
 //   two float32 registers (a bf16 is the upper half of a float32: interleaving it with zeros is exact)
@@ -20,9 +21,8 @@ namespace kvserve {
 // latency, and one load of x serves R weight rows.
 constexpr int64_t kWeightRows = 4;
 // Software prefetch into L2 of the weight rows kPrefetchSteps groups ahead. The hardware prefetcher
-// alone keeps too few lines in flight: streaming all 30 layers' weights at one row took 14.0 ms
-// without it and 10.5-12 ms with it on the AMX Xeon (distances 2-8 groups and L1/L2 hints measured
-// the same within that machine's noise).
+// alone keeps too few lines in flight; distances of 2-8 groups and L1/L2 hints measured the same
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kPrefetchSteps = 4;
 // bf16 values of a weight row consumed per inner step: one 64-byte cache line, prefetched once.
 constexpr int64_t kStep = 32;
@@ -114,7 +114,8 @@ void gemv_kernel(const XElem* x, const uint16_t* w, uint16_t* y, int64_t n_total
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight) {
   RECORD_FUNCTION("kvserve::gemv_bf16", {});  // named in torch profiler traces
 #ifdef KVSERVE_HAS_GEMV
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "x and weight must be bfloat16");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() && x.size(1) == weight.size(1),
               "x must be [M, K] and weight a contiguous [N, K]");
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
@@ -131,8 +132,12 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight) {
   const uint16_t* ws = raw<c10::BFloat16>(weight);
   auto* ys = raw<c10::BFloat16>(y);
   switch (m) {
-    case 1: gemv_kernel<1>(xs, ws, ys, n, k); break;
-    default: gemv_kernel<2>(xs, ws, ys, n, k); break;
+    case 1:
+      gemv_kernel<1>(xs, ws, ys, n, k);
+      break;
+    default:
+      gemv_kernel<2>(xs, ws, ys, n, k);
+      break;
   }
   return y;
 #else

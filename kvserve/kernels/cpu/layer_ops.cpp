@@ -7,8 +7,8 @@ namespace kvserve {
 // residual += delta (if given); out = rms_norm(residual) * weight, rounded to out's dtype.
 // residual: float32 [T, H], updated in place. delta, out: scalar_t [T, H]. weight: float32 [H].
 template <typename T>
-void add_rms_norm_kernel(float* residual, const T* delta, const float* weight, T* out, int64_t rows,
-                         int64_t hidden, float eps) {
+void add_rms_norm_kernel(float* residual, const T* delta, const float* weight, T* out, int64_t rows, int64_t hidden,
+                         float eps) {
   at::parallel_for(0, rows, 8, [=](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
     for (int64_t t = begin; t < end; ++t) {
@@ -44,8 +44,8 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at
                   "delta must be contiguous, shaped like residual, in the output dtype");
       d = raw<scalar_t>(*delta);
     }
-    add_rms_norm_kernel(residual.data_ptr<float>(), d, weight.data_ptr<float>(), raw<scalar_t>(out),
-                                  rows, hidden, static_cast<float>(eps));
+    add_rms_norm_kernel(residual.data_ptr<float>(), d, weight.data_ptr<float>(), raw<scalar_t>(out), rows, hidden,
+                        static_cast<float>(eps));
   });
   return out;
 }
@@ -54,9 +54,8 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at
 // then k and v written to their cache slots. qkv: scalar_t [T, (Hq + 2 Hkv) * D], contiguous.
 // cos, sin: float32 [max_len, D]. caches: scalar_t [num_slots, Hkv, D] views of one layer.
 template <typename T>
-void rope_write_kv_kernel(T* qkv, const int64_t* positions, const float* cos, const float* sin,
-                          T* k_cache, T* v_cache, const int64_t* slots, int64_t rows, int64_t hq,
-                          int64_t hkv, int64_t dim) {
+void rope_write_kv_kernel(T* qkv, const int64_t* positions, const float* cos, const float* sin, T* k_cache, T* v_cache,
+                          const int64_t* slots, int64_t rows, int64_t hq, int64_t hkv, int64_t dim) {
   const int64_t half = dim / 2, row_len = (hq + 2 * hkv) * dim;
   at::parallel_for(0, rows, 8, [=](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
@@ -85,17 +84,21 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
                    at::Tensor v_cache, at::Tensor slots, int64_t hq, int64_t hkv) {
   RECORD_FUNCTION("kvserve::rope_write_kv", {});  // named in torch profiler traces
   const int64_t dim = cos.size(1);
-  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * dim, "qkv must be [T, (Hq+2Hkv)*D]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous(), "cos/sin tables must be contiguous float32");
+  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * dim,
+              "qkv must be [T, (Hq+2Hkv)*D]");
+  TORCH_CHECK(
+      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+      "cos/sin tables must be contiguous float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type(), "caches must be contiguous, in qkv's dtype");
+                  v_cache.scalar_type() == qkv.scalar_type(),
+              "caches must be contiguous, in qkv's dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
-                  slots.is_contiguous(), "positions and slots must be contiguous int64");
+                  slots.is_contiguous(),
+              "positions and slots must be contiguous int64");
   KVSERVE_DISPATCH(qkv.scalar_type(), [&] {
     rope_write_kv_kernel(raw<scalar_t>(qkv), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
                          sin.data_ptr<float>(), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
-                                   slots.data_ptr<int64_t>(), qkv.size(0), hq, hkv, dim);
+                         slots.data_ptr<int64_t>(), qkv.size(0), hq, hkv, dim);
   });
 }
 
@@ -124,9 +127,8 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2I]");
   const int64_t inter = gate_up.size(1) / 2;
   auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
-  KVSERVE_DISPATCH(gate_up.scalar_type(), [&] {
-    silu_mul_kernel(raw<scalar_t>(gate_up), raw<scalar_t>(out), gate_up.size(0), inter);
-  });
+  KVSERVE_DISPATCH(gate_up.scalar_type(),
+                   [&] { silu_mul_kernel(raw<scalar_t>(gate_up), raw<scalar_t>(out), gate_up.size(0), inter); });
   return out;
 }
 

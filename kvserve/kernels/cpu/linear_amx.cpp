@@ -1,10 +1,11 @@
 // y = x @ W^T for bf16 activations of a few dozen to a few hundred rows on Intel AMX tiles: the
 // batched decode step's projections and LM head.
 //
-// Why not oneDNN here: at 100 rows its packed kernel ran the step's 121 products at ~35-50 ms while the
-// weights alone stream in ~13-18 ms and the tiles need far less; the weight stream and the products
-// did not overlap. Here each thread walks its own contiguous run of the packed weight once, front to
-// back (the hardware prefetcher's best case), and reuses each 32-column panel for every row block
+// Why not oneDNN here: at 100 rows its packed kernel took far longer than the weight stream alone, and
+// the tiles need far less; the weight stream and the products did not overlap
+// (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
+// Here each thread walks its own contiguous run of the packed weight once, front to back (the hardware
+// prefetcher's best case), and reuses each 32-column panel for every row block
 // while it sits in L1/L2. (Software prefetch of the next panel during the current one changed nothing
 // measurable.)
 //
@@ -106,8 +107,8 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // Whole 32-row blocks are read from x as it lies. Tile loads read 16 whole rows, so the last rows
-  // (fewer than 32) are copied into a zero-padded block of one or two tiles; padding all of x cost
-  // ~4.5 ms in a 100-row decode step (121 products).
+  // (fewer than 32) are copied into a zero-padded block of one or two tiles: padding all of x would
+  // copy every row of every product.
   const int64_t full_blocks = rows / (2 * kRows), tail_rows = rows % (2 * kRows);
   const int64_t tail_tiles = (tail_rows + kRows - 1) / kRows;
   at::Tensor tail;
@@ -115,7 +116,8 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated) {
     tail = at::zeros({tail_tiles * kRows, k}, x.options());
     tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, full_blocks * 2 * kRows, tail_rows));
   }
-  const uint16_t* tail_data = tail_rows > 0 ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* tail_data =
+      tail_rows > 0 ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, n / (2 * kCols), 1, [=](int64_t begin, int64_t end) {
     const TileConfig config = tile_config();
     _tile_loadconfig(&config);

@@ -22,8 +22,8 @@ bool set_amx_attention(bool enabled);
 // kernel (dtype, head dim and block size allowed, AMX available and enabled). That kernel also takes
 // prefill rows, which the vector kernel is not meant for.
 bool amx_attention_applies(at::Tensor q, at::Tensor k_cache);
-// The most rows of x gemv_bf16 takes. Measured against oneDNN's packed kernels here: 3-4x faster at
-// one row on the layer shapes, ~1.5x at two, even at four (the weight is no longer the only cost).
+// The most rows of x gemv_bf16 takes: past two rows oneDNN's packed kernels are as fast (the weight is
+// no longer the only cost; figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
@@ -44,9 +44,9 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // The activations are in the KV cache's dtype.
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
-                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps,
-                         at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots,
-                         at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids,
-                         double scale, int64_t hq, int64_t hkv);
+                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
+                         at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
+                         at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
+                         int64_t hkv);
 
 }  // namespace kvserve

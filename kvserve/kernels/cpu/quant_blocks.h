@@ -8,10 +8,10 @@
 //
 // Per type, element e of a block (llama.cpp's ggml-common.h is the specification):
 //   Q8_0  [d f16][qs int8 x32]                      w = qs[e] * d
-//   Q4_0  [d][qs 16 bytes]                          w = d * (q - 8), q = e < 16 ? low nibble of qs[e] : high of qs[e-16]
-//   Q4_1  [d][m f16][qs 16]                         w = d * q + m, q as Q4_0
-//   Q5_0  [d][qh 4 bytes][qs 16]                    w = d * (q - 16), q = Q4_0's nibble | bit e of qh (LE u32) << 4
-//   Q4_K  256 = 8 sub-blocks j of 32, [d][dmin][scales 12][qs 128]:
+//   Q4_0  [d][qs 16 bytes]                          w = d * (q - 8), q = e < 16 ? low nibble of qs[e] : high of
+//   qs[e-16] Q4_1  [d][m f16][qs 16]                         w = d * q + m, q as Q4_0 Q5_0  [d][qh 4 bytes][qs 16] w =
+//   d * (q - 16), q = Q4_0's nibble | bit e of qh (LE u32) << 4 Q4_K  256 = 8 sub-blocks j of 32, [d][dmin][scales
+//   12][qs 128]:
 //         w = (d * sc_j) * q - dmin * m_j, q = nibble (j odd: high) of qs[32 (j / 2) + e % 32],
 //         sc_j, m_j 6-bit: scale_min below
 //   Q6_K  256, [ql 128][qh 64][scales int8 x16][d]:  w = (d * scales[e / 16]) * (q - 32), with
@@ -76,7 +76,8 @@ inline void widen32(__m256i q, float scale_low, float scale_high, float add, flo
   const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
   for (int i = 0; i < 4; ++i) {
     const __m128i eight = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), _mm256_set1_ps(i < 2 ? scale_low : scale_high));
+    __m256 v =
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), _mm256_set1_ps(i < 2 ? scale_low : scale_high));
     if constexpr (kAdd) v = _mm256_add_ps(v, _mm256_set1_ps(add));
     _mm256_storeu_ps(out + 8 * i, v);
   }
@@ -161,7 +162,8 @@ struct Q4_K {
       const int shift = 4 * (j % 2);
 #ifdef KVSERVE_QUANT_AVX2
       const __m256i v = _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), shift);
-      widen32<true>(_mm256_and_si256(v, _mm256_set1_epi8(0xF)), scale, scale, -offset, out + 32 * j);  // x - o == x + -o
+      widen32<true>(_mm256_and_si256(v, _mm256_set1_epi8(0xF)), scale, scale, -offset,
+                    out + 32 * j);  // x - o == x + -o
       continue;
 #endif
       for (int l = 0; l < 32; ++l) out[32 * j + l] = scale * static_cast<float>((q[l] >> shift) & 0xF) - offset;
@@ -202,12 +204,18 @@ struct Q6_K {
 template <typename Fn>
 decltype(auto) visit_type(int64_t type, Fn&& fn) {
   switch (type) {
-    case Q8_0::kType: return fn(Q8_0{});
-    case Q4_0::kType: return fn(Q4_0{});
-    case Q4_1::kType: return fn(Q4_1{});
-    case Q5_0::kType: return fn(Q5_0{});
-    case Q4_K::kType: return fn(Q4_K{});
-    case Q6_K::kType: return fn(Q6_K{});
+    case Q8_0::kType:
+      return fn(Q8_0{});
+    case Q4_0::kType:
+      return fn(Q4_0{});
+    case Q4_1::kType:
+      return fn(Q4_1{});
+    case Q5_0::kType:
+      return fn(Q5_0{});
+    case Q4_K::kType:
+      return fn(Q4_K{});
+    case Q6_K::kType:
+      return fn(Q6_K{});
   }
   TORCH_CHECK(false, "no quantized kernel for GGML type ", type, " (kernels: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)");
   __builtin_unreachable();

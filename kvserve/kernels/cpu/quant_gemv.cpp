@@ -94,77 +94,78 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 // the terms of the block's offsets (Q4_0's 8, Q4_1's min, ...), which multiply the sum of x.
 template <typename Block, int M>
 inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256* acc, float* corr) {
-    const int64_t xblocks = x.k / kXBlock;
-    if constexpr (std::is_same_v<Block, quant::Q8_0>) {
-      const float d = quant::half_to_float(b);
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-      const __m256i w_abs = _mm256_sign_epi8(w, w);
-      for (int m = 0; m < M; ++m) {
-        const int64_t i = m * xblocks + xb;
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
-        const __m256i p = dot_u8s8(w_abs, _mm256_sign_epi8(xq, w));
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(p), acc[m]);
-      }
-    } else if constexpr (std::is_same_v<Block, quant::Q4_0> || std::is_same_v<Block, quant::Q4_1> ||
-                         std::is_same_v<Block, quant::Q5_0>) {
-      // q unsigned (0-15, Q5_0 0-31): sum w x = d (sum q xq - offset sum xq) scale_x, Q4_1 + m sum x.
-      constexpr bool kMin = std::is_same_v<Block, quant::Q4_1>, kFive = std::is_same_v<Block, quant::Q5_0>;
-      const float d = quant::half_to_float(b);
-      const float offset = kMin ? quant::half_to_float(b + 2) : (kFive ? -16.f : -8.f) * d;  // times sum x
-      const __m256i q = kFive ? _mm256_or_si256(quant::nibbles32(b + 6), quant::high_bits32(b + 2)) : quant::nibbles32(b + (kMin ? 4 : 2));
-      for (int m = 0; m < M; ++m) {
-        const int64_t i = m * xblocks + xb;
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[m]);
-        corr[m] += offset * x.sum32[i];
-      }
-    } else if constexpr (std::is_same_v<Block, quant::Q4_K>) {
-      const float d = quant::half_to_float(b), dmin = quant::half_to_float(b + 2);
-      const __m256i mask = _mm256_set1_epi8(0xF);
-      for (int j2 = 0; j2 < 4; ++j2) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j2));
-        const __m256i q[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
-        for (int h = 0; h < 2; ++h) {
-          int sc, mn;
-          quant::scale_min(b + 4, 2 * j2 + h, sc, mn);
-          for (int m = 0; m < M; ++m) {
-            const int64_t i = m * xblocks + xb + 2 * j2 + h;
-            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
-            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(sc) * x.scale[i]),
-                                     _mm256_cvtepi32_ps(dot_u8s8(q[h], xq)), acc[m]);
-            corr[m] -= dmin * static_cast<float>(mn) * x.sum32[i];
-          }
+  const int64_t xblocks = x.k / kXBlock;
+  if constexpr (std::is_same_v<Block, quant::Q8_0>) {
+    const float d = quant::half_to_float(b);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    const __m256i w_abs = _mm256_sign_epi8(w, w);
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = m * xblocks + xb;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+      const __m256i p = dot_u8s8(w_abs, _mm256_sign_epi8(xq, w));
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(p), acc[m]);
+    }
+  } else if constexpr (std::is_same_v<Block, quant::Q4_0> || std::is_same_v<Block, quant::Q4_1> ||
+                       std::is_same_v<Block, quant::Q5_0>) {
+    // q unsigned (0-15, Q5_0 0-31): sum w x = d (sum q xq - offset sum xq) scale_x, Q4_1 + m sum x.
+    constexpr bool kMin = std::is_same_v<Block, quant::Q4_1>, kFive = std::is_same_v<Block, quant::Q5_0>;
+    const float d = quant::half_to_float(b);
+    const float offset = kMin ? quant::half_to_float(b + 2) : (kFive ? -16.f : -8.f) * d;  // times sum x
+    const __m256i q = kFive ? _mm256_or_si256(quant::nibbles32(b + 6), quant::high_bits32(b + 2))
+                            : quant::nibbles32(b + (kMin ? 4 : 2));
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = m * xblocks + xb;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[m]);
+      corr[m] += offset * x.sum32[i];
+    }
+  } else if constexpr (std::is_same_v<Block, quant::Q4_K>) {
+    const float d = quant::half_to_float(b), dmin = quant::half_to_float(b + 2);
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    for (int j2 = 0; j2 < 4; ++j2) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j2));
+      const __m256i q[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
+      for (int h = 0; h < 2; ++h) {
+        int sc, mn;
+        quant::scale_min(b + 4, 2 * j2 + h, sc, mn);
+        for (int m = 0; m < M; ++m) {
+          const int64_t i = m * xblocks + xb + 2 * j2 + h;
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(sc) * x.scale[i]),
+                                   _mm256_cvtepi32_ps(dot_u8s8(q[h], xq)), acc[m]);
+          corr[m] -= dmin * static_cast<float>(mn) * x.sum32[i];
         }
       }
-    } else {
-      static_assert(std::is_same_v<Block, quant::Q6_K>);
-      const uint8_t* ql = b;
-      const uint8_t* qh = b + 128;
-      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = quant::half_to_float(b + 208);
-      const __m256i mask = _mm256_set1_epi8(0xF), mask2 = _mm256_set1_epi8(3);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i low[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h)),
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32))};
-        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-        for (int t = 0; t < 4; ++t) {
-          const __m256i q = _mm256_or_si256(
-              _mm256_and_si256(_mm256_srli_epi16(low[t % 2], 4 * (t / 2)), mask),
-              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * t), mask2), 4));
-          const int g = 8 * h + 2 * t;  // the chunk's two 16-element scale groups: g, g + 1
-          const __m256i group_scales = _mm256_set_m128i(_mm_set1_epi16(scales[g + 1]), _mm_set1_epi16(scales[g]));
-          for (int m = 0; m < M; ++m) {
-            const int64_t i = m * xblocks + xb + 4 * h + t;
-            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), group_scales);
-            const float dx = d * x.scale[i];
-            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc[m]);
-            corr[m] -= 32.f * dx * static_cast<float>(scales[g] * x.sum16[2 * i] + scales[g + 1] * x.sum16[2 * i + 1]);
-          }
+    }
+  } else {
+    static_assert(std::is_same_v<Block, quant::Q6_K>);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = quant::half_to_float(b + 208);
+    const __m256i mask = _mm256_set1_epi8(0xF), mask2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i low[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32))};
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      for (int t = 0; t < 4; ++t) {
+        const __m256i q =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low[t % 2], 4 * (t / 2)), mask),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * t), mask2), 4));
+        const int g = 8 * h + 2 * t;  // the chunk's two 16-element scale groups: g, g + 1
+        const __m256i group_scales = _mm256_set_m128i(_mm_set1_epi16(scales[g + 1]), _mm_set1_epi16(scales[g]));
+        for (int m = 0; m < M; ++m) {
+          const int64_t i = m * xblocks + xb + 4 * h + t;
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), group_scales);
+          const float dx = d * x.scale[i];
+          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc[m]);
+          corr[m] -= 32.f * dx * static_cast<float>(scales[g] * x.sum16[2 * i] + scales[g + 1] * x.sum16[2 * i + 1]);
         }
       }
     }
   }
+}
 
 // Rows n .. n+R-1 of y (float32 [M, n_total]) for all M rows of x.
 template <typename Block, int M, int R>
@@ -193,7 +194,8 @@ template <typename Block, int M>
 void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, float* y, int64_t n_total) {
   at::parallel_for(0, n_total, 64, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
-    for (; n + kWeightRows <= end; n += kWeightRows) gemv_rows<Block, M, kWeightRows>(w, row_bytes, x, y, n, end, n_total);
+    for (; n + kWeightRows <= end; n += kWeightRows)
+      gemv_rows<Block, M, kWeightRows>(w, row_bytes, x, y, n, end, n_total);
     for (; n < end; ++n) gemv_rows<Block, M, 1>(w, row_bytes, x, y, n, end, n_total);
   });
 }

@@ -82,7 +82,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
           for (int64_t b = 0; b < k / Block::kElems; ++b)
             Block::dequantize(w + (n0 + r) * row_bytes + b * Block::kBytes, tile.data() + r * k + b * Block::kElems);
         int64_t m = 0;
-        for (; m + kXRows <= rows; m += kXRows) rows_times_tile<kXRows>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
+        for (; m + kXRows <= rows; m += kXRows)
+          rows_times_tile<kXRows>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
         if (rows - m == 2) rows_times_tile<2>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
         if (rows - m == 1) rows_times_tile<1>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
       }

@@ -1,0 +1,93 @@
+"""What an engine chose, as one report: model, weights, dtype, kernels, KV pool, limits.
+
+`engine_report(engine)` builds it from the engine's real state (not from the flags), the server logs it
+when it is ready (adding the listen address and the time to ready), and `kvserve info` prints it without
+serving. A report is an ordered list of named rows, so a new field is one `report.add(...)` line here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.kernels import cpu
+from kvserve.kernels.cpu import build_config
+from kvserve.model.registry import load_model, resolve
+
+if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
+
+# The CPU features the kernels and the dtype choice depend on (the rest of /proc/cpuinfo's flags do not matter).
+RELEVANT_CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+@dataclass
+class StartupReport:
+    rows: dict[str, str] = field(default_factory=dict)
+
+    def add(self, name: str, value: object) -> None:
+        self.rows[name] = str(value)
+
+    def lines(self) -> list[str]:
+        width = max((len(name) for name in self.rows), default=0)
+        return [f"{name + ':':<{width + 1}} {value}" for name, value in self.rows.items()]
+
+
+def engine_report(engine: LLMEngine) -> StartupReport:
+    config, model_config = engine.config, engine.model.config
+    source = resolve(config.model)
+    loaded = load_model(config.model)  # cached per process: the engine's own load, not a second one
+    report = StartupReport()
+    report.add("model", f"{engine.model_name} ({source.path})")
+    report.add(
+        "family",
+        f"{loaded.architecture}: {model_config.num_layers} layers, hidden {model_config.hidden_size}, "
+        f"{model_config.num_heads} heads / {model_config.num_kv_heads} KV heads, vocab {model_config.vocab_size}",
+    )
+    types = ", ".join(f"{name} x {count}" for name, count in loaded.tensor_types.items())
+    report.add("weights", f"{source.kind}: {types}")
+    report.add("dtype", f"{str(engine.dtype).removeprefix('torch.')} (--dtype {config.dtype})")
+    report.add("device", f"{engine.device}, {torch.get_num_threads()} threads")
+    report.add("attention backend", f"{engine.attention_backend} (--attention-backend {config.attention_backend})")
+    kernels = cpu.choice()
+    report.add("cpu kernels", f"{kernels.source}: {kernels.reason}")
+    report.add("compiled decode step", "yes" if engine.runner.compiled_decode else "no")
+    features = set(build_config.cpu_features())
+    report.add("cpu features", " ".join(f for f in RELEVANT_CPU_FEATURES if f in features) or "none of interest")
+    block_size, num_blocks = engine.cache.block_size, engine.pool.num_blocks
+    report.add(
+        "kv pool",
+        f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
+        f"{engine.cache.tensor.nbytes} bytes ({engine.cache.tensor.nbytes / 2**20:.1f} MiB)",
+    )
+    report.add("max sequences at full context", num_blocks // math.ceil(engine.max_model_len / block_size))
+    report.add("max_model_len", f"{engine.max_model_len} tokens (model context {model_config.max_position_embeddings})")
+    report.add("max_num_seqs", config.max_num_seqs)
+    report.add("max_num_batched_tokens", config.max_num_batched_tokens)
+    report.add("queue (max_waiting_requests)", config.max_waiting_requests)
+    report.add("max_n", config.max_n)
+    report.add("prefix caching", "on" if config.enable_prefix_caching else "off")
+    report.add("chunked prefill", "on" if config.enable_chunked_prefill else "off")
+    report.add("speculative", json.dumps(config.speculative) if config.speculative else "off")
+    return report
+
+
+def process_age_s() -> float:
+    """Seconds since this process started, by the kernel's clock (/proc), so imports and loading count."""
+    fields_after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start_ticks = int(fields_after_name[19])  # field 22, starttime: clock ticks after boot
+    uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def time_since_start() -> str:
+    """Wall time since the process started, and the CPU time it used (all threads): on a machine shared
+    with other work the wall time stretches, the CPU time does not."""
+    return f"{process_age_s():.1f} s since the process started ({time.process_time():.1f} s of CPU)"

@@ -1,0 +1,173 @@
+"""Choosing between the install build and a run-time build of the CPU kernels (kvserve/kernels/cpu):
+the fingerprint, the marker the install build embeds, and what the loader logs. No full build here: the
+compile is checked on one small file, the JIT builder is replaced by a stand-in."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from kvserve.kernels import cpu
+from kvserve.kernels.cpu import build_config
+
+FEATURES = ["avx2", "fma", "sse4_2"]
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    """A copy of the kernel folder's sources and headers, safe to edit."""
+    for path in build_config.sources() + build_config.headers():
+        shutil.copy(path, tmp_path / path.name)
+    return tmp_path
+
+
+def fingerprint(directory: Path, torch_version: str = "2.13.0", features: list[str] = FEATURES) -> str:
+    return build_config.fingerprint(torch_version, directory, features)
+
+
+def test_fingerprint_is_stable_and_changes_with_every_input(sources: Path) -> None:
+    base = fingerprint(sources)
+    assert base == fingerprint(sources) and len(base) == 64
+    assert fingerprint(sources, torch_version="2.14.0") != base
+    assert fingerprint(sources, features=[*FEATURES, "avx512f"]) != base  # another CPU
+    (sources / "gemv.cpp").write_text((sources / "gemv.cpp").read_text() + "\n// edited\n")
+    edited = fingerprint(sources)
+    assert edited != base
+    (sources / "new_kernel.cpp").write_text("// a kernel added later\n")  # picked up by the glob
+    assert fingerprint(sources) != edited
+    assert (sources / "new_kernel.cpp") in build_config.sources(sources)
+    (sources / "extra.h").write_text("#pragma once\n")
+    assert sources / "extra.h" in build_config.headers(sources)
+
+
+def test_cpu_features_come_from_the_first_flags_line(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: sse avx2 fma\n\nprocessor\t: 1\nflags\t\t: sse\n")
+    assert build_config.cpu_features(cpuinfo) == ["avx2", "fma", "sse"]
+    assert build_config.cpu_features(tmp_path / "missing") == []
+
+
+def test_embedded_fingerprint_reads_only_a_well_formed_marker(tmp_path: Path) -> None:
+    value = "ab" * 32
+    module = tmp_path / "module.so"
+    module.write_bytes(b"\x7fELF..." + build_config.MARKER + f"fp_{value}".encode() + b"\0rest")
+    assert build_config.embedded_fingerprint(module) == value
+    module.write_bytes(b"\x7fELF..." + build_config.MARKER + b"fp_not-hex\0")
+    assert build_config.embedded_fingerprint(module) is None
+    module.write_bytes(b"\x7fELF no marker")
+    assert build_config.embedded_fingerprint(module) is None
+    assert build_config.embedded_fingerprint(tmp_path / "missing.so") is None
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_the_compiler_flag_puts_the_fingerprint_into_the_binary(tmp_path: Path) -> None:
+    value = fingerprint(build_config.HERE)
+    library = tmp_path / "fingerprint.so"
+    source = build_config.HERE / "build_fingerprint.cpp"
+    flag = build_config.fingerprint_define(value)
+    subprocess.run(["g++", "-shared", "-fPIC", flag, str(source), "-o", str(library)], check=True, timeout=120)
+    assert build_config.embedded_fingerprint(library) == value
+    subprocess.run(["g++", "-shared", "-fPIC", str(source), "-o", str(library)], check=True, timeout=120)
+    assert build_config.embedded_fingerprint(library) is None  # the run-time build embeds none
+
+
+def fake_prebuilt(monkeypatch: pytest.MonkeyPatch, origin: Path | None) -> None:
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        if name == f"kvserve.kernels.cpu.{build_config.PREBUILT_NAME}":
+            return None if origin is None else SimpleNamespace(origin=str(origin))
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_the_install_build_is_used_only_when_its_fingerprint_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = tmp_path / "_prebuilt.so"
+    module.write_bytes(build_config.MARKER + b"fp_" + b"1" * 64)
+    fake_prebuilt(monkeypatch, module)
+    assert cpu.prebuilt_mismatch("1" * 64) is None
+    assert "does not fit this machine" in (cpu.prebuilt_mismatch("2" * 64) or "")
+    fake_prebuilt(monkeypatch, None)
+    assert "no install build" in (cpu.prebuilt_mismatch("1" * 64) or "")
+
+
+@pytest.fixture
+def fresh_choice() -> object:
+    cpu.choice.cache_clear()
+    yield
+    cpu.choice.cache_clear()
+
+
+def test_choice_follows_the_environment_variable(monkeypatch: pytest.MonkeyPatch, fresh_choice: object) -> None:
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS", "0")
+    assert cpu.choice() == cpu.KernelChoice(None, "off", "KVSERVE_CPU_KERNELS=0")
+    cpu.choice.cache_clear()
+    built = ModuleType("stand_in")
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS", "jit")
+    monkeypatch.setattr(cpu, "build_for_this_cpu", lambda fp, why: built)
+    assert cpu.choice() == cpu.KernelChoice(built, "run-time build", "KVSERVE_CPU_KERNELS=jit")
+
+
+def test_a_run_time_build_is_logged_before_and_after_and_only_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    events: list[str] = []
+
+    def jit_load(name: str, build_directory: str, **kwargs: object) -> ModuleType:
+        events.append("compile" if not (Path(build_directory) / f"{name}.so").exists() else "load")
+        assert kwargs["sources"] == cpu.SOURCES and kwargs["extra_cflags"] == build_config.CFLAGS
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return ModuleType(name)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", jit_load)
+    with caplog.at_level(logging.WARNING, logger="kvserve.kernels.cpu"):
+        cpu.build_for_this_cpu("f" * 64, "sources edited")
+        first = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        cpu.build_for_this_cpu("f" * 64, "sources edited")  # cached: nothing to announce
+        assert caplog.records == []
+        cpu.build_for_this_cpu("e" * 64, "sources edited")  # another fingerprint: a build again
+    assert (
+        first[0].startswith("building CPU kernels for this CPU (first start only, ~") and "sources edited" in first[0]
+    )
+    assert first[1].startswith("built the CPU kernels in ")
+    assert events == ["compile", "load", "load"]
+    assert "building CPU kernels for this CPU" in caplog.records[0].getMessage()
+
+
+def test_a_process_waiting_for_another_build_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lock = tmp_path / "kvserve-build.lock"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(1.5)",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvserve.kernels.cpu"), cpu.exclusive(lock):
+        waited = time.monotonic() - started
+    holder.wait(timeout=30)
+    messages = [r.getMessage() for r in caplog.records]
+    assert waited > 0.5  # it did wait for the holder
+    assert "another process is building the CPU kernels" in messages[0] and str(lock) in messages[0]
+    assert messages[1].startswith("waited ")

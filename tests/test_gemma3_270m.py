@@ -1,0 +1,78 @@
+"""Gemma 3 270M, the real bundled weights (`--model gemma3-270m`, a Q4_K_M GGUF): kvserve's float32
+greedy tokens against HF transformers reading the same GGUF, in float32.
+
+HF is run teacher-forced on kvserve's own output (one forward per prompt): up to the first position
+where HF's argmax differs, kvserve's tokens are HF's greedy tokens, so greedy equality holds wherever
+HF's top-1/top-2 margin stays above MARGIN if the first difference (if any) sits at a near-tie. This
+model has near-ties, so that is the rule, with a bound on teacher-forced agreement over all positions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.registry import GEMMA3_270M, bundled_gguf_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away,",
+    "The three primary colors are",
+    "In 1969, Neil Armstrong",
+    "Water boils at a temperature of",
+    "The quick brown fox",
+    "import numpy as np\n\n",
+    "Photosynthesis is the process by which",
+    "1, 2, 3, 4, 5,",
+    "The largest planet in the solar system is",
+    "To make a cup of tea, first",
+]
+NEW_TOKENS = 32
+MARGIN = 0.02
+MIN_TEACHER_FORCED_AGREEMENT = 0.995
+
+
+@functools.cache
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_gguf_path(GEMMA3_270M)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def kvserve_outputs() -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy ids) per prompt, all prompts in one batch."""
+    llm = LLM(model=GEMMA3_270M, dtype="float32", num_kv_blocks=64)
+    prompts = [llm.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return [(ids, out.token_ids) for ids, out in zip(prompts, outs, strict=True)]
+
+
+@torch.inference_mode()
+def hf_teacher_forced(prompt: list[int], output: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's argmax and top-1/top-2 margin at each generated position, given kvserve's tokens before it."""
+    ids = torch.tensor([prompt + output])
+    logits = hf_model()(ids).logits[0, len(prompt) - 1 : -1].float()
+    top = logits.topk(2, dim=-1).values
+    return logits.argmax(-1), top[:, 0] - top[:, 1]
+
+
+def test_prompts_start_with_bos_as_llama_cpp_and_hf_do(kvserve_outputs):
+    assert all(ids[0] == 2 for ids, _ in kvserve_outputs)
+
+
+def test_greedy_equals_hf_wherever_hf_has_no_near_tie(kvserve_outputs):
+    agree = total = 0
+    for (prompt, output), text in zip(kvserve_outputs, PROMPTS, strict=True):
+        argmax, margin = hf_teacher_forced(prompt, output)
+        same = argmax == torch.tensor(output)
+        agree, total = agree + int(same.sum()), total + len(output)
+        if not bool(same.all()):
+            first = int((~same).nonzero()[0])
+            assert float(margin[first]) <= MARGIN, f"{text!r}: token {first} differs with HF margin {margin[first]}"
+    assert agree / total >= MIN_TEACHER_FORCED_AGREEMENT

@@ -1,0 +1,182 @@
+"""Every model family, as a tiny random checkpoint made by transformers itself: kvserve's greedy tokens
+equal HF's `generate` in float32, one request at a time and batched, prefix caching on and off, with
+prompts longer than the sliding window; both config spellings read alike; what kvserve does not
+implement is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.kernels.backends import get_attention_backend
+from kvserve.model.families import family_for_hf
+from kvserve.model.hf import read_hf_config
+from kvserve.model.linear import gemv_kernels
+from tests.family_checkpoints import (
+    VOCAB,
+    WINDOW,
+    family_configs,
+    save_checkpoint,
+    to_transformers4_spelling,
+    write_gguf,
+)
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+GGUF_FAMILIES = ["llama", "qwen2", "qwen3"]  # written with the gguf package's GGUFWriter, as llama.cpp's converter does
+WINDOWED = ["mistral", "gemma3"]
+NEW_TOKENS = 32
+_gen = torch.Generator().manual_seed(7)
+_BASE = torch.randint(3, VOCAB, (44,), generator=_gen).tolist()
+# Lengths 3 to 44, all but the first longer than the window; the longer ones share whole 16-token blocks
+# with each other, so prefix caching has blocks to reuse.
+PROMPTS = [_BASE[:3], _BASE[:20] + [5, 6, 7], _BASE, torch.randint(3, VOCAB, (17,), generator=_gen).tolist()]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """family -> (directory, HF greedy tokens per prompt)."""
+    made = {}
+    for family in FAMILIES:
+        directory = tmp_path_factory.mktemp(family)
+        model = save_checkpoint(family, directory)
+        if family in GGUF_FAMILIES:  # beside the safetensors: the HF loaders read neither the other's file
+            write_gguf(family, model, directory / "model.gguf")
+        made[family] = (directory, [hf_greedy(model, ids) for ids in PROMPTS])
+    return made
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int]) -> list[int]:
+    input_ids = torch.tensor([ids])
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def kvserve_llm(directory: Path, **config) -> LLM:
+    return LLM(model=str(directory), **{"dtype": "float32", "num_kv_blocks": 48, **config})
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_hf_one_at_a_time_and_batched(checkpoints, family, prefix_caching):
+    directory, expected = checkpoints[family]
+    llm = kvserve_llm(directory, enable_prefix_caching=prefix_caching)
+    alone = [llm.generate([ids], GREEDY)[0] for ids in PROMPTS]
+    assert [o.token_ids for o in alone] == expected
+    if prefix_caching:  # the later prompts reused the earlier ones' blocks
+        assert any(o.num_cached_tokens > 0 for o in alone)
+    batched = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in batched] == expected
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_gguf_of_the_checkpoint_equals_hf(checkpoints, family):
+    """The same weights as llama.cpp writes them (Llama: q/k rows permuted, llama3 RoPE as rope_freqs;
+    Qwen2: q/k/v biases; Qwen3: q/k norms)."""
+    directory, expected = checkpoints[family]
+    outs = kvserve_llm(directory / "model.gguf").generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_windows_on_the_tiled_backend(checkpoints, family):
+    """The torch tiled kernel for every layer (the engine's default here is SDPA; every backend's window
+    against the oracle: tests/test_attention_backends.py)."""
+    directory, expected = checkpoints[family]
+    outs = kvserve_llm(directory, attention_backend="tiled").generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_the_prompts_reach_past_the_window(checkpoints, family):
+    """Without its window the same checkpoint answers otherwise: the tests above see the window."""
+    from transformers import AutoModelForCausalLM
+
+    directory, expected = checkpoints[family]
+    config = family_configs()[family]
+    config.sliding_window = 1024
+    model = AutoModelForCausalLM.from_pretrained(directory, config=config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    assert [hf_greedy(model, ids) for ids in PROMPTS] != expected
+    assert max(len(p) for p in PROMPTS) > 4 * WINDOW
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers4_and_5_spellings_read_alike(checkpoints, family, tmp_path):
+    directory, _ = checkpoints[family]
+    shutil.copy(directory / "config.json", tmp_path / "config.json")
+    to_transformers4_spelling(tmp_path)
+    assert "rope_parameters" not in json.loads((tmp_path / "config.json").read_text())
+    assert read_hf_config(tmp_path)[0] == read_hf_config(directory)[0]
+
+
+def test_llama3_rope_is_read_not_defaulted(checkpoints):
+    config, _, _ = read_hf_config(checkpoints["llama"][0])
+    assert dict(config.rope_scaling)["rope_type"] == "llama3"
+    assert dict(config.rope_scaling)["original_max_position_embeddings"] == 16
+
+
+def test_gemma3_layers_have_their_own_windows_and_rope(checkpoints):
+    config, _, _ = read_hf_config(checkpoints["gemma3"][0])
+    assert [config.layer_window(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
+    assert (config.rope_theta, config.sliding_rope_theta) == (50_000.0, 500.0)
+    assert config.softmax_scale == 24**-0.5
+
+
+def _config_with(checkpoints, family: str, tmp_path: Path, **changes) -> Path:
+    raw = json.loads((checkpoints[family][0] / "config.json").read_text())
+    raw.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "named"),
+    [
+        ("llama", {"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn'"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True"),
+        ("gemma3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ],
+)
+def test_unsupported_values_are_named(checkpoints, tmp_path, family, changes, named):
+    directory = _config_with(checkpoints, family, tmp_path, **changes)
+    with pytest.raises(ValueError, match="supported") as err:
+        read_hf_config(directory)
+    assert named in str(err.value)
+
+
+def test_every_family_is_chosen_by_its_architecture(checkpoints):
+    for family in FAMILIES:
+        raw = json.loads((checkpoints[family][0] / "config.json").read_text())
+        assert family_for_hf(raw).name == family
+
+
+def test_startup_log_says_what_runs_on_torch_ops(checkpoints, caplog):
+    if gemv_kernels() is None:
+        pytest.skip("the compiled CPU kernels do not build here: every family runs on torch ops")
+    kvserve_llm(checkpoints["gemma3"][0], dtype="bfloat16")
+    assert "gemma3 decode steps run on torch ops because it normalizes q and k heads" in caplog.text
+    assert "sliding-window layers run attention on torch ops" in caplog.text
+
+
+def test_triton_refuses_windowed_models():
+    with pytest.raises(ValueError, match="sliding"):
+        get_attention_backend("triton", "cuda", windowed=True)
+
+
+def test_configs_print_stably_for_the_fingerprint(checkpoints):
+    config, _, _ = read_hf_config(checkpoints["gemma3"][0])
+    assert repr(config) == repr(dataclasses.replace(config))
