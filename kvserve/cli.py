@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from kvserve.config import ATTENTION_BACKENDS, EngineConfig
+from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, EngineConfig
 from kvserve.server.limits import add_server_limit_args, server_limits_from_args
 from kvserve.server.routing import POLICIES
 
@@ -30,6 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"], help="auto: bf16 where it pays"
     )
     parser.add_argument("--device", default=d.device, help="auto: cuda when present, else cpu")
+    parser.add_argument(
+        "--quantization", default=d.quantization, choices=QUANTIZATIONS,
+        help="auto: keep GGUF weights in their blocks where kvserve's quantized kernels run; none: dequantize",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")
     parser.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, help="KV pool size in blocks")
     parser.add_argument(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = ("auto", "none")
 ATTENTION_BACKENDS = ("auto", "auto_cpu", "cpu", "tiled", "reference", "sdpa", "triton")
 
 
@@ -14,6 +15,10 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     # "auto" picks bfloat16 where the device has fast bf16 matrix units, else float32.
     dtype: str = "auto"
+    # "auto": GGUF weights of a block type kvserve's quantized CPU kernels multiply (Q8_0, Q4_0, Q4_1,
+    # Q5_0, Q4_K, Q6_K) stay in their blocks, where those kernels run; "none": every weight dequantized
+    # to `dtype` at load.
+    quantization: str = "none"
     # "auto" is cuda when present, else cpu. Nothing below hard-codes a device.
     device: str = "auto"
     block_size: int = 16
@@ -40,6 +45,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         positive = {

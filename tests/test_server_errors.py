@@ -28,6 +28,7 @@ class FailingEngine:
     model_name = "stub"
     max_model_len = 2048
     max_sequence_len = 1024
+    quantization = "none"
 
     def __init__(self) -> None:
         self.tokenizer = load_tokenizer("smollm2-135m-instruct")

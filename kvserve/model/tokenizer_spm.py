@@ -24,7 +24,7 @@ def merges_from_vocab(tokens: list[str]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens of the vocabulary, earliest merged token first (then
     longer left parts, then longer right parts): transformers' generate_merges with position scores."""
     vocab = {token: index for index, token in enumerate(tokens)}
-    merges = []
+    merges: list[tuple[int, tuple[str, str]]] = []
     for index, token in enumerate(tokens):
         splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
         splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))

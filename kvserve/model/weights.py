@@ -3,25 +3,46 @@
 Projections that read the same input are fused (q|k|v, gate|up) so each layer runs three big matrix
 products instead of seven; the loaders hand over HF-named, HF-layout tensors ([out_features, in_features])
 one at a time, and each is dropped from the loader's dict once fused, so at most one layer exists twice.
+A matrix may be a QuantizedTensor (GGUF blocks, quantized.py): fused parts of one block type stay
+quantized; parts of different types are dequantized (logged), since one product runs one block type.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.quantized import QuantizedTensor
+
+logger = logging.getLogger(__name__)
+Weight = torch.Tensor | QuantizedTensor
+
+
+def _stack_rows(parts: list[Weight], name: str) -> Weight:
+    """The parts' rows stacked: quantized if they share a block type, else dense (in the dense parts' dtype)."""
+    quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
+    if len(quantized) == len(parts) and len({p.qtype for p in quantized}) == 1:
+        return QuantizedTensor.cat(quantized)
+    if quantized:
+        logger.warning("%s: fused parts of different block types, dequantized", name)
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
+    dense = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
+    return torch.cat([d.to(dtype) for d in dense], dim=0).contiguous()
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv_proj: torch.Tensor  # [(Hq + 2*Hkv) * D, hidden]
-    o_proj: torch.Tensor
+    qkv_proj: Weight  # [(Hq + 2*Hkv) * D, hidden]
+    o_proj: Weight
     mlp_norm: torch.Tensor
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor
+    gate_up_proj: Weight  # [2 * intermediate, hidden]
+    down_proj: Weight
     qkv_bias: torch.Tensor | None = None  # [(Hq + 2*Hkv) * D] (Qwen2)
     q_norm: torch.Tensor | None = None  # [D], per head (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
@@ -31,22 +52,27 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed_tokens: torch.Tensor  # [vocab, hidden]
+    embed_tokens: Weight  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # the same tensor as embed_tokens when embeddings are tied
+    lm_head: Weight  # the same object as embed_tokens when embeddings are tied
 
     @classmethod
-    def from_hf_tensors(cls, tensors: dict[str, torch.Tensor], config: ModelConfig) -> ModelWeights:
+    def from_hf_tensors(cls, tensors: dict[str, Weight], config: ModelConfig) -> ModelWeights:
         """Fuse HF-named tensors ("model.layers.0.self_attn.q_proj.weight", ...), emptying `tensors`."""
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             if name not in tensors:
                 raise ValueError(f"weights are missing tensor {name!r}")
             return tensors.pop(name)
 
+        def dense(name: str) -> torch.Tensor:
+            """A vector (norm, bias): GGUF keeps only matrices in blocks, so this never dequantizes a file's."""
+            weight = take(name)
+            return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+
         def fuse(names: list[str]) -> torch.Tensor:
-            return torch.cat([take(n) for n in names], dim=0).contiguous()
+            return torch.cat([dense(n) for n in names], dim=0).contiguous()
 
         layers = []
         for i in range(config.num_layers):
@@ -56,32 +82,40 @@ class ModelWeights:
             # is the norm after attention. Llama's post_attention_layernorm is the MLP's input norm.
             mlp_norm = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
             layer = LayerWeights(
-                attn_norm=take(p + "input_layernorm.weight"),
-                qkv_proj=fuse([n + "weight" for n in qkv]),
+                attn_norm=dense(p + "input_layernorm.weight"),
+                qkv_proj=_stack_rows([take(n + "weight") for n in qkv], p + "qkv_proj"),
                 o_proj=take(p + "self_attn.o_proj.weight"),
-                mlp_norm=take(p + mlp_norm + ".weight"),
-                gate_up_proj=fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                mlp_norm=dense(p + mlp_norm + ".weight"),
+                gate_up_proj=_stack_rows(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], p + "gate_up_proj"
+                ),
                 down_proj=take(p + "mlp.down_proj.weight"),
             )
             if config.attention_bias:
                 layer.qkv_bias = fuse([n + "bias" for n in qkv])
             if config.qk_norm:
-                layer.q_norm, layer.k_norm = take(p + "self_attn.q_norm.weight"), take(p + "self_attn.k_norm.weight")
+                layer.q_norm, layer.k_norm = dense(p + "self_attn.q_norm.weight"), dense(p + "self_attn.k_norm.weight")
             if config.sandwich_norms:
-                layer.post_attn_norm = take(p + "post_attention_layernorm.weight")
-                layer.post_mlp_norm = take(p + "post_feedforward_layernorm.weight")
+                layer.post_attn_norm = dense(p + "post_attention_layernorm.weight")
+                layer.post_mlp_norm = dense(p + "post_feedforward_layernorm.weight")
             layers.append(layer)
         embed = take("model.embed_tokens.weight")
         head = tensors.pop("lm_head.weight", None)
         if config.tie_word_embeddings or head is None:
             head = embed
-        final_norm = take("model.norm.weight")
+        final_norm = dense("model.norm.weight")
         if tensors:
             raise ValueError(f"unexpected tensors for a {config.family} model: {sorted(tensors)[:5]}")
         return cls(embed_tokens=embed, layers=layers, final_norm=final_norm, lm_head=head)
 
     def to(self, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        """Dense tensors cast and moved; quantized ones stay as they are (the kernels run on the CPU)."""
+
+        def cast(t: Any) -> Any:  # a weight, or an optional one (None); LayerWeights' fields mix both
+            if isinstance(t, QuantizedTensor):
+                if device.type != "cpu":
+                    raise ValueError(f"quantized weights run on the CPU only, not on {device}")
+                return t
             return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
         embed = cast(self.embed_tokens)
@@ -94,3 +128,14 @@ class ModelWeights:
             final_norm=cast(self.final_norm),
             lm_head=head,
         )
+
+    def matrices(self) -> list[Weight]:
+        """Every weight matrix, each once (a tied LM head is the embedding table)."""
+        layers = [m for w in self.layers for m in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)]
+        return list({id(m): m for m in [self.embed_tokens, *layers, self.lm_head]}.values())
+
+    def quantization(self) -> str:
+        """Which matrices are kept in GGUF blocks, e.g. "Q4_1 x 120, Q8_0 x 1" (fused matrices counted
+        once), or "none"."""
+        counts = Counter(m.qtype.name for m in self.matrices() if isinstance(m, QuantizedTensor))
+        return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items())) or "none"

@@ -180,6 +180,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def quantization(self) -> str:
+        return self.engine.quantization
+
+    @property
     def max_sequence_len(self) -> int:
         return self.engine.max_sequence_len
 

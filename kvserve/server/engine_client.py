@@ -40,6 +40,10 @@ class EngineClient(Protocol):
     def max_sequence_len(self) -> int:
         """The most tokens (prompt + output) one sequence can hold: the context and the KV pool allow."""
 
+    # Which weight matrices run from GGUF blocks ("Q4_1 x 120, Q8_0 x 1"), or "none".
+    @property
+    def quantization(self) -> str: ...
+
     async def submit(
         self,
         request_id: str,

@@ -197,7 +197,13 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=async_engine.max_model_len)])
+        card = ModelCard(
+            id=model_name,
+            created=created,
+            max_model_len=async_engine.max_model_len,
+            quantization=async_engine.quantization,
+        )
+        return ModelList(data=[card])
 
     @app.get("/health")
     async def health() -> JSONResponse:

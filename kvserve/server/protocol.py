@@ -440,6 +440,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvserve"
     max_model_len: int
+    quantization: str  # the weight matrices kept in GGUF blocks, e.g. "Q4_1 x 120, Q8_0 x 1", or "none"
 
 
 class ModelList(BaseModel):

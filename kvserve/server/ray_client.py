@@ -103,6 +103,10 @@ class RayEngineClient:
         return self.info.max_model_len
 
     @property
+    def quantization(self) -> str:
+        return self.info.quantization
+
+    @property
     def max_sequence_len(self) -> int:
         return self.info.max_sequence_len
 

@@ -42,6 +42,7 @@ class ReplicaInfo:
     max_model_len: int
     block_size: int
     max_sequence_len: int
+    quantization: str
 
 
 class EngineReplica:
@@ -52,7 +53,13 @@ class EngineReplica:
 
     def info(self) -> ReplicaInfo:
         engine = self.async_engine.engine
-        return ReplicaInfo(engine.model_name, engine.max_model_len, engine.config.block_size, engine.max_sequence_len)
+        return ReplicaInfo(
+            engine.model_name,
+            engine.max_model_len,
+            engine.config.block_size,
+            engine.max_sequence_len,
+            engine.quantization,
+        )
 
     def stats(self) -> dict[str, Any]:
         return self.async_engine.stats()

@@ -17,6 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
   m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
+  m.def("dequantize_rows", &dequantize_rows, "GGUF block rows (uint8 [N, row_bytes]) of a GGML type -> float32 [N, K]");
+  m.def("quant_gemv", &quant_gemv, "x @ W.T for 1-2 rows, W in GGUF blocks; x quantized per 32 to int8");
+  m.def("quant_linear", &quant_linear, "x @ W.T for any rows, W in GGUF blocks dequantized panel by panel");
   m.def("decode_layers", &decode_layers,
-        "every decoder layer of a decode step (bf16; GEMV or AMX tile products), final norm applied");
+        "every decoder layer of a decode step (bf16 or GGUF-block weights), final norm applied");
 }

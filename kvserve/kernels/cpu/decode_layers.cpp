@@ -4,32 +4,40 @@
 // a step in interpreter and dispatch overhead around ~210 kernel calls (figures:
 // benchmarks/RESULTS.md, "Figures behind the code's rules"). This is the same loop,
 // calling the same kernels in the same order (so its result is bit-identical), from C++. It runs
-// only where every linear is a bf16 KernelLinear (kvserve/model/linear.py) and every sequence takes
-// the decode attention kernel: up to kGemvMaxRows rows on the GEMV, more (batched decode, up to
-// linear.py's AMX_MAX_ROWS, which the caller checks) on linear_amx, as KernelLinear chooses.
+// only where every linear is a bf16 KernelLinear (kvserve/model/linear.py) or every linear a
+// QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel: up to
+// kGemvMaxRows rows on the GEMV (bf16 or quantized), more (batched decode, up to linear.py's
+// AMX_MAX_ROWS, which the caller checks) on linear_amx or quant_linear, as those linears choose.
 #include "common.h"
 #include "ops.h"
 
 namespace kvserve {
 namespace {
 
-// x @ W^T as KernelLinear computes it: the GEMV up to kGemvMaxRows rows, then linear_amx on the
-// packed `tiles`; `gated` (W = [gate; up]): silu(gate) * up.
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* tiles, bool gated) {
-  if (x.size(0) <= kGemvMaxRows) {
-    at::Tensor y = gemv_bf16(x, weight);
-    return gated ? silu_mul(y) : y;
+// x @ W^T as KernelLinear / QuantizedLinear compute it: W in GGUF blocks of `block_type` (>= 0) on
+// quant_gemv up to kGemvMaxRows rows, quant_linear above; a bf16 W on the GEMV up to kGemvMaxRows rows,
+// then linear_amx on the packed `tiles`. `gated` (W = [gate; up]): silu(gate) * up.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* tiles, int64_t block_type,
+                   bool gated) {
+  at::Tensor y;
+  if (block_type >= 0) {
+    y = x.size(0) <= kGemvMaxRows ? quant_gemv(x, weight, block_type) : quant_linear(x, weight, block_type);
+  } else if (x.size(0) <= kGemvMaxRows) {
+    y = gemv_bf16(x, weight);
+  } else {
+    TORCH_CHECK(tiles != nullptr, "decode_layers takes more than ", kGemvMaxRows, " bf16 rows only with AMX tiles");
+    return linear_amx(x.contiguous(), *tiles, gated);
   }
-  TORCH_CHECK(tiles != nullptr, "decode_layers takes more than ", kGemvMaxRows, " rows only with AMX tiles");
-  return linear_amx(x.contiguous(), *tiles, gated);
+  return gated ? silu_mul(y) : y;
 }
 
 }  // namespace
 
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
-                         at::Tensor final_norm, double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                         at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
-                         at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq, int64_t hkv) {
+                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
+                         at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
+                         at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
+                         int64_t hkv) {
   RECORD_FUNCTION("kvserve::decode_layers", {});  // named in torch profiler traces
   TORCH_CHECK(!layers.empty() && layers.size() % kTensorsPerLayer == 0, "layers must hold ", kTensorsPerLayer,
               " tensors per layer");
@@ -37,8 +45,10 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
   const int64_t num_layers = static_cast<int64_t>(layers.size()) / kTensorsPerLayer;
   TORCH_CHECK(tiles.empty() || static_cast<int64_t>(tiles.size()) >= num_layers * kTilesPerLayer,
               "tiles must be empty or hold ", kTilesPerLayer, " per layer");
+  TORCH_CHECK(block_types.empty() || static_cast<int64_t>(block_types.size()) >= num_layers * kTilesPerLayer,
+              "block_types must be empty or hold one per projection");
   const int64_t t = h.size(0), dim = cos.size(1), q_size = hq * dim;
-  const auto dtype = layers[0].scalar_type();
+  const auto dtype = kv_cache.scalar_type();
   // Per layer: qkv_proj, o_proj, gate_up_proj, down_proj weights, then attn_norm, mlp_norm (float32).
   auto weight = [&](int64_t layer, int64_t which) -> const at::Tensor& {
     return layers[layer * kTensorsPerLayer + which];
@@ -46,7 +56,8 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
   // Product `which` (0-3, the order of `layers`) of a layer, on its tiles where they were given.
   auto product = [&](const at::Tensor& x, int64_t layer, int64_t which) {
     const at::Tensor* packed = tiles.empty() ? nullptr : &tiles[layer * kTilesPerLayer + which];
-    return project(x, weight(layer, which), packed, which == 2);
+    const int64_t block_type = block_types.empty() ? -1 : block_types[layer * kTilesPerLayer + which];
+    return project(x, weight(layer, which), packed, block_type, which == 2);
   };
   at::Tensor x = add_rms_norm(h, c10::nullopt, weight(0, 4), eps, dtype);
   for (int64_t i = 0; i < num_layers; ++i) {

@@ -28,12 +28,25 @@ constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
+// Quantized weights: `blocks` uint8 [N, row_bytes] of GGML block type `type` (quant_blocks.h).
+// The rows dequantized to float32 [N, K], exactly as gguf.quants.dequantize computes them.
+at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
+// x [M <= kGemvMaxRows, K] (float32 or bf16) @ W^T on the blocks as they lie, x quantized per 32 elements
+// to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
+at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
+// x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
+// multiplied; y in x's dtype.
+at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
-// `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved).
+// `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved);
+// `block_types`: none (every projection a bf16 matrix), or per layer the GGML block type of each of the
+// four projections, whose tensors are then their GGUF blocks (quant_gemv / quant_linear multiply them).
+// The activations are in the KV cache's dtype.
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
-                         at::Tensor final_norm, double eps, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                         at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
-                         at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq, int64_t hkv);
+                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
+                         at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
+                         at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
+                         int64_t hkv);
 
 }  // namespace kvserve

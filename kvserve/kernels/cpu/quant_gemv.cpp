@@ -1,0 +1,231 @@
+// y = x @ W^T for one or two rows of x, W [N, K] in GGUF blocks (quant_blocks.h), dequantized on the fly.
+//
+// At batch 1 the product streams W once, so its speed limit is W's size in memory: the blocks are read
+// as they lie, never widened into a copy. Each row of x is quantized per 32 elements to int8 with a
+// float scale (as llama.cpp's Q8_0 activations), and each weight block meets its x block in integer dot
+// products (_mm256_maddubs_epi16: unsigned weight bytes x signed x bytes, so signed weights (Q8_0) lend
+// x their sign); one float multiply-add per block applies the two scales. Not exact: x's rounding to
+// int8 costs up to half a step of 1/127 of each x block's largest magnitude (tests/test_quantized_kernels.py
+// states the tolerance). Chosen over widening the weights to float32 for FMAs against float32 x, which
+// is exact up to summation order but did more work per weight byte and ran slower on every shape
+// measured on AVX2 (benchmarks/RESULTS.md, "Quantized weights").
+//
+// Other instruction sets add their own block_dot (AVX512-VNNI / AVX-VNNI: _mm*_dpbusd_epi32 in place of
+// maddubs + madd); this file has the AVX2 form only.
+#include "common.h"
+#include "ops.h"
+#include "quant_blocks.h"
+
+namespace kvserve {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVSERVE_HAS_QUANT_GEMV 1
+namespace {
+
+// Software prefetch of the weight rows this many row groups ahead (as gemv.cpp).
+constexpr int64_t kPrefetchGroups = 4;
+// Weight rows computed together: one pass over x's blocks serves all of them.
+constexpr int64_t kWeightRows = 4;
+constexpr int64_t kXBlock = 32;  // x is quantized (int8 design) and summed (float design) per 32 elements
+
+// `rows` rows of x (K each) quantized per 32 elements: q = round(x / scale), scale = max |x| / 127; the
+// sums of q per 16 elements (Q6_K's scale groups) and of the quantized x (scale * sum q) per 32.
+struct Activations {
+  int64_t k = 0;
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum16;
+  std::vector<float> sum32;
+};
+
+inline __m256 load8_float(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_float(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <typename T>
+Activations quantize_int8(const T* x, int64_t rows, int64_t k) {
+  Activations a;
+  a.k = k;
+  a.q.resize(rows * k);
+  a.scale.resize(rows * k / kXBlock);
+  a.sum16.resize(rows * k / 16);
+  a.sum32.resize(rows * k / kXBlock);
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < rows * k / kXBlock; ++b) {
+    const T* src = x + b * kXBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8_float(src + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    }
+    const float d = reduce_max(amax) / 127.f;
+    a.scale[b] = d;
+    const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest, ties even
+    a.sum16[2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+    a.sum16[2 * b + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+    a.sum32[b] = d * static_cast<float>(a.sum16[2 * b] + a.sum16[2 * b + 1]);
+    // packs interleave the 128-bit halves; the permutation puts the 32 bytes back in element order.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + b * kXBlock), ordered);
+  }
+  return a;
+}
+
+// Eight int32 sums of pairs of pairs of u8 x s8 products: sum over 32 bytes, spread over 8 lanes.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// One weight block times the x blocks from xb (index of the block's first 32 elements within a row) in
+// each of the M rows: acc[m] collects the integer products with both scales applied, per lane; corr[m]
+// the terms of the block's offsets (Q4_0's 8, Q4_1's min, ...), which multiply the sum of x.
+template <typename Block, int M>
+inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256* acc, float* corr) {
+  const int64_t xblocks = x.k / kXBlock;
+  if constexpr (std::is_same_v<Block, quant::Q8_0>) {
+    const float d = quant::half_to_float(b);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    const __m256i w_abs = _mm256_sign_epi8(w, w);
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = m * xblocks + xb;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+      const __m256i p = dot_u8s8(w_abs, _mm256_sign_epi8(xq, w));
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(p), acc[m]);
+    }
+  } else if constexpr (std::is_same_v<Block, quant::Q4_0> || std::is_same_v<Block, quant::Q4_1> ||
+                       std::is_same_v<Block, quant::Q5_0>) {
+    // q unsigned (0-15, Q5_0 0-31): sum w x = d (sum q xq - offset sum xq) scale_x, Q4_1 + m sum x.
+    constexpr bool kMin = std::is_same_v<Block, quant::Q4_1>, kFive = std::is_same_v<Block, quant::Q5_0>;
+    const float d = quant::half_to_float(b);
+    const float offset = kMin ? quant::half_to_float(b + 2) : (kFive ? -16.f : -8.f) * d;  // times sum x
+    const __m256i q = kFive ? _mm256_or_si256(quant::nibbles32(b + 6), quant::high_bits32(b + 2))
+                            : quant::nibbles32(b + (kMin ? 4 : 2));
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = m * xblocks + xb;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[m]);
+      corr[m] += offset * x.sum32[i];
+    }
+  } else if constexpr (std::is_same_v<Block, quant::Q4_K>) {
+    const float d = quant::half_to_float(b), dmin = quant::half_to_float(b + 2);
+    const __m256i mask = _mm256_set1_epi8(0xF);
+    for (int j2 = 0; j2 < 4; ++j2) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j2));
+      const __m256i q[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
+      for (int h = 0; h < 2; ++h) {
+        int sc, mn;
+        quant::scale_min(b + 4, 2 * j2 + h, sc, mn);
+        for (int m = 0; m < M; ++m) {
+          const int64_t i = m * xblocks + xb + 2 * j2 + h;
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(sc) * x.scale[i]),
+                                   _mm256_cvtepi32_ps(dot_u8s8(q[h], xq)), acc[m]);
+          corr[m] -= dmin * static_cast<float>(mn) * x.sum32[i];
+        }
+      }
+    }
+  } else {
+    static_assert(std::is_same_v<Block, quant::Q6_K>);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = quant::half_to_float(b + 208);
+    const __m256i mask = _mm256_set1_epi8(0xF), mask2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i low[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32))};
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
+      for (int t = 0; t < 4; ++t) {
+        const __m256i q =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low[t % 2], 4 * (t / 2)), mask),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * t), mask2), 4));
+        const int g = 8 * h + 2 * t;  // the chunk's two 16-element scale groups: g, g + 1
+        const __m256i group_scales = _mm256_set_m128i(_mm_set1_epi16(scales[g + 1]), _mm_set1_epi16(scales[g]));
+        for (int m = 0; m < M; ++m) {
+          const int64_t i = m * xblocks + xb + 4 * h + t;
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), group_scales);
+          const float dx = d * x.scale[i];
+          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc[m]);
+          corr[m] -= 32.f * dx * static_cast<float>(scales[g] * x.sum16[2 * i] + scales[g + 1] * x.sum16[2 * i + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Rows n .. n+R-1 of y (float32 [M, n_total]) for all M rows of x.
+template <typename Block, int M, int R>
+inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const Activations& x, float* y, int64_t n, int64_t n_end,
+                      int64_t n_total) {
+  __m256 acc[R][M];
+  float corr[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps(), corr[r][m] = 0.f;
+  const uint8_t* rows = w + n * row_bytes;
+  const bool prefetch = n + (kPrefetchGroups + 1) * R <= n_end;  // never past this thread's rows
+  const int64_t blocks = x.k / Block::kElems;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t offset = blk * Block::kBytes;
+    for (int r = 0; r < R; ++r) {
+      if (prefetch && offset % 64 < Block::kBytes)  // once per cache line of the row ahead
+        _mm_prefetch(reinterpret_cast<const char*>(rows + (r + kPrefetchGroups * R) * row_bytes + offset), _MM_HINT_T1);
+      block_dot<Block, M>(rows + r * row_bytes + offset, x, blk * (Block::kElems / kXBlock), acc[r], corr[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) y[m * n_total + n + r] = reduce_add(acc[r][m]) + corr[r][m];
+}
+
+template <typename Block, int M>
+void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, float* y, int64_t n_total) {
+  at::parallel_for(0, n_total, 64, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + kWeightRows <= end; n += kWeightRows)
+      gemv_rows<Block, M, kWeightRows>(w, row_bytes, x, y, n, end, n_total);
+    for (; n < end; ++n) gemv_rows<Block, M, 1>(w, row_bytes, x, y, n, end, n_total);
+  });
+}
+
+}  // namespace
+#endif
+
+at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type) {
+  RECORD_FUNCTION("kvserve::quant_gemv", {});  // named in torch profiler traces
+#ifdef KVSERVE_HAS_QUANT_GEMV
+  return quant::visit_type(type, [&](auto block) {
+    using Block = decltype(block);
+    const int64_t k = quant::columns_of<Block>(blocks), n = blocks.size(0), rows = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
+    TORCH_CHECK(rows >= 1 && rows <= kGemvMaxRows, "quant_gemv takes 1 to ", kGemvMaxRows, " rows, got ", rows);
+    x = x.contiguous();
+    Activations acts;
+    KVSERVE_DISPATCH(x.scalar_type(), [&] { acts = quantize_int8(raw<scalar_t>(x), rows, k); });
+    auto y = at::empty({rows, n}, x.options().dtype(at::kFloat));
+    const uint8_t* w = blocks.data_ptr<uint8_t>();
+    if (rows == 1) {
+      gemv_kernel<Block, 1>(w, blocks.size(1), acts, y.data_ptr<float>(), n);
+    } else {
+      gemv_kernel<Block, 2>(w, blocks.size(1), acts, y.data_ptr<float>(), n);
+    }
+    return y.to(x.scalar_type());
+  });
+#else
+  TORCH_CHECK(false, "quant_gemv needs a CPU with AVX2, FMA and F16C");
+#endif
+}
+
+}  // namespace kvserve

@@ -1,0 +1,75 @@
+"""Linear layers and the embedding over weights kept in GGUF blocks (QuantizedTensor), on kvserve's
+quantized kernels (kernels/cpu/quant_*.cpp).
+
+Up to GEMV_MAX_ROWS rows (batch-1 decode) `quant_gemv` streams the blocks once with x quantized to int8
+per 32 elements; more rows (decode batches, prefill chunks) take `quant_linear`, which dequantizes a
+panel of weight rows into a float32 tile in cache and multiplies every row with it, so the weights are
+read once per product at their quantized size either way.
+
+The embedding table, when quantized, stays in its blocks: a step gathers the rows of its tokens and
+dequantizes only those (exactly, as gguf does). A dequantized copy would cost the table's float size
+again in memory (49152 x 576 float32 is 113 MB for SmolLM2, whose table is also its LM head), to save a
+dequantization of a few rows per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import cpu
+from kvserve.model.quantized import QuantizedTensor
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@functools.cache
+def quantized_kernels() -> ModuleType | None:
+    """The compiled kernels if their quantized products run on this CPU (they need AVX2, FMA and F16C),
+    else None. Probed once per process."""
+    kernels = cpu.load()
+    if kernels is None:
+        return None
+    try:  # one Q8_0 block: scale 1.0 (f16 0x3C00), every value 1
+        block = torch.tensor([[0x00, 0x3C] + [1] * 32], dtype=torch.uint8)
+        out = kernels.quant_gemv(torch.ones(1, 32), block, 8)
+    except RuntimeError:
+        return None
+    return kernels if bool(((out - 32).abs() < 1e-3).all()) else None
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """x @ W^T for W in GGUF blocks; with `silu_mul` (W = [gate; up]) silu(gate) * up of the product."""
+
+    kernels: ModuleType
+    weight: QuantizedTensor
+    silu_mul: LinearFn | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        few_rows = 0 < x.shape[0] <= self.kernels.GEMV_MAX_ROWS
+        product = self.kernels.quant_gemv if few_rows else self.kernels.quant_linear
+        y = product(x, self.weight.blocks, int(self.weight.qtype))
+        return y if self.silu_mul is None else self.silu_mul(y)
+
+
+def make_quantized_linear(weight: QuantizedTensor, silu_mul: LinearFn | None = None) -> QuantizedLinear:
+    kernels = quantized_kernels()
+    if kernels is None:
+        raise ValueError(f"{weight.qtype.name} weights are kept quantized only where kvserve's quantized kernels run")
+    return QuantizedLinear(kernels, weight, silu_mul)
+
+
+def make_embedding(table: torch.Tensor | QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """token ids [T] -> their rows of `table` in float32 [T, hidden]."""
+    if not isinstance(table, QuantizedTensor):
+        return lambda ids: F.embedding(ids, table).float()
+    kernels = quantized_kernels()
+    if kernels is None:
+        raise ValueError("a quantized embedding table needs kvserve's quantized kernels")
+    return lambda ids: kernels.dequantize_rows(table.blocks.index_select(0, ids), int(table.qtype))

@@ -1,0 +1,170 @@
+"""kvserve's quantized-weight kernels (kernels/cpu/quant_*.cpp) against gguf's reference dequantization
+(gguf.quants.dequantize) followed by a float64 matmul, over random shapes and random blocks: random
+bytes everywhere, then f16 scales set to the edges of their range (0, the largest finite, the smallest
+normal and subnormal, negative), whole zero blocks and all-0 / all-15 nibbles.
+
+Tolerances, and why:
+- dequantize_rows: bit-identical (the same float32 operations as the reference).
+- quant_linear: the same float32 weights, summed in another order: 1e-5 of sum |w x| (plus one
+  bf16 rounding of the result for bf16 activations).
+- quant_gemv quantizes each 32 elements of x to int8 (step s = max |x| / 127, rounding to nearest), so
+  each x moves by at most s / 2 and the result by at most sum over x blocks of s / 2 * sum |w| over the
+  block: that bound, plus the float32 slack and bf16 rounding above.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvserve.kernels import cpu
+from kvserve.model.quantized import KERNEL_TYPES, QuantizedTensor
+
+# Byte offsets of each type's f16 scale fields within a block (quant_blocks.h has the layouts).
+SCALE_FIELDS = {
+    GGMLQuantizationType.Q8_0: (0,),
+    GGMLQuantizationType.Q4_0: (0,),
+    GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_0: (0,),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+# Where each type's packed 4-bit values lie (the all-0 / all-15 nibble rows).
+NIBBLE_BYTES = {
+    GGMLQuantizationType.Q4_0: slice(2, 18),
+    GGMLQuantizationType.Q4_1: slice(4, 20),
+    GGMLQuantizationType.Q5_0: slice(6, 22),
+    GGMLQuantizationType.Q4_K: slice(16, 144),
+}
+EDGE_SCALES = np.array([0.0, 65504.0, -65504.0, 2.0**-14, 2.0**-24, -(2.0**-24), 1.0], dtype=np.float16)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = cpu.load()
+    assert built is not None, "the CPU kernels must build on the machines kvserve is tested on"
+    return built
+
+
+def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, gen: np.random.Generator) -> np.ndarray:
+    """uint8 [n, row_bytes]: random bytes, scales mostly ordinary (1e-3 to 0.1, either sign) and some at
+    the edges; row 0 zero, row 1 all-0 nibbles, row 2 all-15 nibbles where the type has nibbles."""
+    elems, size = GGML_QUANT_SIZES[qtype]
+    blocks = gen.integers(0, 256, size=(n, k // elems, size), dtype=np.uint8)
+    for offset in SCALE_FIELDS[qtype]:
+        scales = gen.uniform(1e-3, 0.1, size=(n, k // elems)) * gen.choice([-1, 1], size=(n, k // elems))
+        scales = scales.astype(np.float16)
+        edge = gen.random(size=scales.shape) < 0.15
+        scales[edge] = gen.choice(EDGE_SCALES, size=int(edge.sum()))
+        blocks[..., offset : offset + 2] = scales[..., None].view(np.uint8)
+    if n > 0:
+        blocks[0] = 0
+    if qtype in NIBBLE_BYTES and n > 2:
+        blocks[1, :, NIBBLE_BYTES[qtype]] = 0x00
+        blocks[2, :, NIBBLE_BYTES[qtype]] = 0xFF
+    return blocks.reshape(n, -1)
+
+
+def reference(blocks: np.ndarray, qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
+    return QuantizedTensor(torch.from_numpy(blocks), qtype, (n, k)).dequantize()
+
+
+def random_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tuple:
+    gen = np.random.default_rng(seed)
+    elems = GGML_QUANT_SIZES[qtype][0]
+    n, k = int(gen.integers(1, 70)), elems * int(gen.integers(1, 7 if elems == 32 else 3))
+    rows = int(gen.integers(1, max_rows + 1))
+    blocks = random_blocks(qtype, n, k, gen)
+    x = torch.from_numpy(gen.standard_normal((rows, k)).astype(np.float32)) * float(gen.choice([1e-3, 1.0, 50.0]))
+    return blocks, n, k, x
+
+
+def within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> bool:
+    return bool(((y.double() - ref).abs() <= bound).all())
+
+
+def float_slack(w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    slack = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    return slack + (2.0**-8 * ref.abs() if dtype == torch.bfloat16 else 0.0)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_is_bit_identical(kernels, qtype: GGMLQuantizationType) -> None:
+    for seed in range(3):
+        blocks, n, k, _ = random_case(qtype, seed, 1)
+        ours = kernels.dequantize_rows(torch.from_numpy(blocks), int(qtype))
+        torch.testing.assert_close(ours, reference(blocks, qtype, n, k), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_quant_linear_matches_dequantize_then_matmul(kernels, qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
+    for seed in range(4):
+        blocks, n, k, x = random_case(qtype, 10 + seed, 40 if seed == 0 else 9)
+        x = x.to(dtype)
+        w = reference(blocks, qtype, n, k)
+        ref = x.double() @ w.double().T
+        y = kernels.quant_linear(x, torch.from_numpy(blocks), int(qtype))
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert within(y, ref, float_slack(w, x, ref, dtype)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_quant_gemv_within_the_int8_activation_bound(kernels, qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
+    for seed in range(4):
+        blocks, n, k, x = random_case(qtype, 20 + seed, kernels.GEMV_MAX_ROWS)
+        x = x.to(dtype)
+        w = reference(blocks, qtype, n, k)
+        ref = x.double() @ w.double().T
+        y = kernels.quant_gemv(x, torch.from_numpy(blocks), int(qtype))
+        assert y.dtype == dtype and y.shape == ref.shape
+        step = x.double().view(x.shape[0], -1, 32).abs().amax(-1) / 127  # [rows, K/32]
+        block_abs_w = w.double().abs().view(n, -1, 32).sum(-1)  # [N, K/32]
+        bound = (step / 2) @ block_abs_w.T * (1 + 1e-4) + float_slack(w, x, ref, dtype)
+        assert within(y, ref, bound), f"seed {seed}"
+
+
+def test_quant_gemv_is_not_loose(kernels) -> None:
+    """The bound above is not vacuous: on ordinary data the int8 activations err by ~0.5 % of the
+    result's norm, where dequantize-then-matmul in float32 errs by ~1e-7."""
+    gen = np.random.default_rng(5)
+    qtype = GGMLQuantizationType.Q4_1
+    blocks = random_blocks(qtype, 256, 576, gen)
+    blocks[:3] = random_blocks(qtype, 3, 576, np.random.default_rng(6))[2]  # no special rows here
+    w = reference(blocks, qtype, 256, 576)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(0))
+    ref = x.double() @ w.double().T
+    error = (kernels.quant_gemv(x, torch.from_numpy(blocks), int(qtype)).double() - ref).norm() / ref.norm()
+    assert 1e-4 < error < 2e-2
+
+
+def test_kernels_refuse_bad_input_by_name(kernels) -> None:
+    blocks = torch.zeros(4, 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="GGML type 1 "):
+        kernels.quant_linear(torch.zeros(1, 32), blocks, 1)
+    with pytest.raises(RuntimeError, match="takes 1 to"):
+        kernels.quant_gemv(torch.zeros(kernels.GEMV_MAX_ROWS + 1, 32), blocks, int(GGMLQuantizationType.Q4_1))
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 32\]"):
+        kernels.quant_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q4_1))
+    with pytest.raises(RuntimeError, match="whole number"):
+        kernels.dequantize_rows(torch.zeros(4, 21, dtype=torch.uint8), int(GGMLQuantizationType.Q4_1))
+
+
+def test_quantized_tensor_rows_and_cat_follow_the_matrix() -> None:
+    gen = np.random.default_rng(3)
+    qtype = GGMLQuantizationType.Q8_0
+    a = QuantizedTensor(torch.from_numpy(random_blocks(qtype, 6, 64, gen)), qtype, (6, 64))
+    b = QuantizedTensor(torch.from_numpy(random_blocks(qtype, 2, 64, gen)), qtype, (2, 64))
+    order = torch.tensor([5, 0, 3, 1, 2, 4])
+    torch.testing.assert_close(a.rows(order).dequantize(), a.dequantize()[order], rtol=0, atol=0)
+    fused = QuantizedTensor.cat([a, b])
+    assert fused.shape == (8, 64) and fused.nbytes == 8 * 68
+    torch.testing.assert_close(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedTensor(a.blocks[:, :60], qtype, (6, 64))
+    other = QuantizedTensor(torch.zeros(1, 20, dtype=torch.uint8), GGMLQuantizationType.Q4_1, (1, 32))
+    with pytest.raises(ValueError, match="one block type"):
+        QuantizedTensor.cat([a, other])
