@@ -35,7 +35,10 @@ class StandInEngine:
 
     model_name = "stand-in-model"
     max_model_len = 64
-    tokenizer = None
+    max_sequence_len = 64
+    quantization = "none"
+    # The app sizes its prompt-length limit from this when it is built; the stand-in serves no prompt.
+    tokenizer = SimpleNamespace(max_token_bytes=16)
     speculator = None
 
     def __init__(self) -> None:

@@ -121,6 +121,9 @@ def server() -> Iterator[Server]:
         # Warm-up: the largest prefill and tokenization a valid request makes, so RSS is at its working size.
         running.post(COMPLETIONS, {"prompt": "word " * 500, "max_tokens": 2, "ignore_eos": True})
         running.post(CHAT, {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
+        # ...and the grammar engine's one-time state (llguidance's view of the vocabulary, its threads).
+        json_only = {"response_format": {"type": "json_object"}, "max_tokens": 4}
+        running.post(CHAT, {"messages": [{"role": "user", "content": "Say hi"}], **json_only})
         running.rss_after_warmup = running.rss()
         yield running
     finally:

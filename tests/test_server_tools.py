@@ -206,7 +206,7 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_as_sent(server:
             "tools": TOOLS,
         }
     )
-    [prompt], params = ChatFlavor(tokenizer, 2048).prepare(body)
+    [prompt], params = ChatFlavor(tokenizer, 2048, special_tokens_in_content=False).prepare(body)
     assert tokenizer.decode(prompt) == (
         "[tool get_weather][tool get_time]<user>Time?<assistant>(call call_9 get_time {})<tool>noon(answers call_9)"
     )

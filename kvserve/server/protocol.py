@@ -136,11 +136,16 @@ class _SamplingFields(BaseModel):
         found: list[tuple[str, StructuredOutput]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
-            found.append(("response_format", StructuredOutput("json_object")))
+            found.append(("response_format", StructuredOutput("json_object", field="response_format")))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise ValueError("response_format.json_schema is required when type is 'json_schema'")
-            found.append(("response_format", StructuredOutput("json_schema", fmt.json_schema.schema_)))
+            found.append(
+                (
+                    "response_format",
+                    StructuredOutput("json_schema", fmt.json_schema.schema_, "response_format.json_schema"),
+                )
+            )
         so = self.structured_outputs
         candidates = [
             ("guided_json", "json_schema", self.guided_json),
@@ -154,9 +159,13 @@ class _SamplingFields(BaseModel):
         ]
         for name, kind, spec in candidates:
             if spec is not None:
-                found.append((name, StructuredOutput(kind, _json_spec(name, spec) if kind == "json_schema" else spec)))  # type: ignore[arg-type]
+                found.append(
+                    (name, StructuredOutput(kind, _json_spec(name, spec) if kind == "json_schema" else spec, name))
+                )  # type: ignore[arg-type]
         if so is not None and so.json_object:
-            found.append(("structured_outputs.json_object", StructuredOutput("json_object")))
+            found.append(
+                ("structured_outputs.json_object", StructuredOutput("json_object", field="structured_outputs"))
+            )
         if len(found) > 1:
             raise ValueError(f"set at most one structured output constraint, got {', '.join(n for n, _ in found)}")
         if found and found[0][1].kind == "choice" and not found[0][1].spec:

@@ -92,7 +92,7 @@ def call_grammar(functions: list[dict[str, Any]], mode: str, parallel: bool) -> 
             r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
         ]
     )
-    return StructuredOutput("lark", lark)
+    return StructuredOutput("lark", lark, "tools")
 
 
 def _hoist_defs(parameters: dict[str, Any], function: str, defs: dict[str, Any]) -> dict[str, Any]:

@@ -31,10 +31,11 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
 class StructuredOutput:
     """kind: one of KINDS. spec: the schema (a dict) for json_schema, the pattern for regex, the list of
     strings for choice, the Lark or GBNF text for grammar (llguidance's Lark for lark), None for
-    json_object."""
+    json_object. field: the request field it came from, which an error with the spec names."""
 
     kind: str
     spec: Any = None
+    field: str | None = None
 
     def grammar(self) -> str:
         """llguidance's grammar text; raises ValueError when the spec cannot be compiled."""
@@ -76,11 +77,12 @@ def ll_tokenizer(tokenizer: TokenizerWrapper) -> llguidance.LLTokenizer:
 
 def new_matcher(structured: StructuredOutput, tokenizer: TokenizerWrapper) -> llguidance.LLMatcher:
     """A matcher at the start of the grammar; raises ValueError naming the problem with the spec."""
+    what = f"{structured.field} ({structured.kind})" if structured.field else structured.kind
     try:
         grammar = structured.grammar()
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"invalid {structured.kind}: {exc}") from exc
+        raise ValueError(f"invalid {what}: {exc}") from exc
     matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0)
     if matcher.is_error():
-        raise ValueError(f"invalid {structured.kind}: {matcher.get_error()}")
+        raise ValueError(f"invalid {what}: {matcher.get_error()}")
     return matcher
