@@ -159,9 +159,8 @@ class _SamplingFields(BaseModel):
         ]
         for name, kind, spec in candidates:
             if spec is not None:
-                found.append(
-                    (name, StructuredOutput(kind, _json_spec(name, spec) if kind == "json_schema" else spec, name))
-                )  # type: ignore[arg-type]
+                value = _json_spec(name, spec) if kind == "json_schema" else spec  # type: ignore[arg-type]
+                found.append((name, StructuredOutput(kind, value, name)))
         if so is not None and so.json_object:
             found.append(
                 ("structured_outputs.json_object", StructuredOutput("json_object", field="structured_outputs"))
