@@ -12,7 +12,7 @@ import torch
 
 from kvserve import SamplingParams
 from kvserve.structured.grammar import StructuredOutput, new_matcher
-from kvserve.structured.masks import allowed_tokens, compute_masks, mask_draft_rows
+from kvserve.structured.masks import compute_masks, grammar_penalties, mask_draft_rows
 
 PERSON = {
     "type": "object",
@@ -29,13 +29,13 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an
 def allowed_after(matcher, vocab: int) -> torch.Tensor:
     bitmask = llt.allocate_token_bitmask(1, vocab)
     llt.fill_next_token_bitmask(matcher, bitmask, 0)
-    return allowed_tokens(bitmask, vocab)[0]
+    return grammar_penalties(bitmask, vocab)[0] == 0
 
 
 def test_bitmask_unpacking_matches_a_bit_by_bit_reference() -> None:
     gen = torch.Generator().manual_seed(0)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), generator=gen, dtype=torch.int64).to(torch.int32)
-    got = allowed_tokens(bitmask, 150)  # wider than the 128 bits: the rest is banned
+    got = grammar_penalties(bitmask, 150) == 0  # wider than the 128 bits: the rest is banned
     for row in range(3):
         for token in range(150):
             bit = token < 128 and (int(bitmask[row, token // 32]) >> (token % 32)) & 1 == 1
@@ -52,7 +52,7 @@ def test_draft_rows_are_masked_by_the_state_after_the_drafts_before_them(llm_fp3
     assert not matcher.is_error() and matcher.validate_tokens(drafts) == len(drafts) - 1  # left unmoved
     reference = new_matcher(spec, tokenizer)
     for i in range(len(drafts)):  # rows 0..k-1: the states after drafts[:i], all grammatical
-        expected = compute_masks([reference], tokenizer.vocab_size)[0]
+        expected = grammar_penalties(compute_masks([reference], tokenizer.vocab_size), tokenizer.vocab_size)[0] == 0
         assert torch.equal(masked[i] == 0, expected), i
         if i < len(drafts) - 1:
             assert reference.consume_token(drafts[i])

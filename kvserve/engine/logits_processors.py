@@ -27,7 +27,7 @@ def process_logits(
 ) -> torch.Tensor:
     """The logits each row samples from, float32; `logits` itself is returned untouched when no row
     needs a change. stop_ids[i] are the tokens min_tokens bans for row i (EOS unless ignored, stop ids).
-    grammar_masks: allowed tokens by seq_id, computed ahead (masks.start_masks); the others are computed
+    grammar_masks: packed masks by seq_id, computed ahead (masks.start_masks); the others are computed
     here."""
     if not any(s.params.processes_logits for s in seqs):
         return logits

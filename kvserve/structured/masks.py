@@ -1,9 +1,16 @@
 """Token masks of a batch's constrained rows, computed together by llguidance's thread pool (started
 while the forward pass runs), applied as -inf to the logits of every token the row's grammar does not
-allow next."""
+allow next.
+
+A mask stays in llguidance's packed form (int32 words, bit j of word w = token 32w + j) until it is
+applied; it is then added to the logits as a row of 0 / -inf looked up a byte at a time (one gather and
+one add: masked_fill over bool rows costs several times more; RESULTS.md, "Figures behind the code's
+rules", masks.py).
+"""
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 
@@ -22,11 +29,17 @@ def _worker() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar-masks")
 
 
+# Read as bytes, word w's byte b holds tokens 32w + 8b .. 32w + 8b + 7 only where words are little-endian.
+assert sys.byteorder == "little", "grammar masks are read as little-endian int32 words"
+# Row v: the additive mask of the 8 tokens of a mask byte of value v (bit k set: token k allowed, 0).
+_PENALTY_OF_BYTE = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+
+
 def compute_masks(matchers: list[llguidance.LLMatcher], vocab: int) -> torch.Tensor:
-    """[len(matchers), vocab] bool: the tokens each matcher allows next."""
+    """[len(matchers), words] int32 packed masks: the tokens each matcher allows next."""
     bitmask = llt.allocate_token_bitmask(len(matchers), vocab)
     llt.fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
-    return allowed_tokens(bitmask, vocab)
+    return bitmask
 
 
 def start_masks(matchers: dict[int, llguidance.LLMatcher], vocab: int) -> Future[dict[int, torch.Tensor]]:
@@ -38,12 +51,12 @@ def start_masks(matchers: dict[int, llguidance.LLMatcher], vocab: int) -> Future
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[int, torch.Tensor]]) -> None:
-    """logits: [R, V] float32, changed in place; rows: (row index, the tokens allowed there)."""
+    """logits: [R, V] float32 (finite or -inf), changed in place; rows: (row index, its packed mask)."""
     if not rows:
         return
     index = torch.tensor([row for row, _ in rows], device=logits.device)
-    allowed = torch.stack([mask for _, mask in rows]).to(logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    penalties = grammar_penalties(torch.stack([mask for _, mask in rows]), logits.shape[1])
+    logits.index_add_(0, index, penalties.to(logits.device))
 
 
 def mask_draft_rows(logits: torch.Tensor, matcher: llguidance.LLMatcher, drafts: list[int]) -> torch.Tensor:
@@ -53,15 +66,14 @@ def mask_draft_rows(logits: torch.Tensor, matcher: llguidance.LLMatcher, drafts:
     vocab = logits.shape[1]
     bitmask = llt.allocate_token_bitmask(logits.shape[0], vocab)
     llt.fill_next_token_bitmask_par_with_draft_tokens(_executor(), [(matcher, 0, list(drafts))], bitmask)
-    allowed = allowed_tokens(bitmask, vocab).to(logits.device)
-    return logits.float().masked_fill(~allowed, float("-inf"))
+    return logits.float() + grammar_penalties(bitmask, vocab).to(logits.device)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask (bit j of word w = token 32w + j) -> [rows, vocab] bool; a token past
-    the mask's width (a model vocabulary wider than the tokenizer's) is never allowed."""
-    bits = torch.arange(32, dtype=torch.int32)
-    unpacked = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
-    if unpacked.shape[1] >= vocab:
-        return unpacked[:, :vocab]
-    return torch.nn.functional.pad(unpacked, (0, vocab - unpacked.shape[1]), value=False)
+def grammar_penalties(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 packed masks -> [rows, vocab] float32, 0 where a token is allowed and -inf where
+    not; a token past the mask's width (a model vocabulary wider than the tokenizer's) is never allowed."""
+    mask_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
+    penalties = _PENALTY_OF_BYTE.index_select(0, mask_bytes).reshape(bitmask.shape[0], -1)
+    if penalties.shape[1] >= vocab:
+        return penalties[:, :vocab]
+    return torch.nn.functional.pad(penalties, (0, vocab - penalties.shape[1]), value=float("-inf"))
