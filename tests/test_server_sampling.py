@@ -109,13 +109,33 @@ def test_echo_returns_the_prompt_and_its_logprobs(client: openai.OpenAI, llm_fp3
     assert no_logprobs.choices[0].text == choice.text and no_logprobs.choices[0].logprobs is None
 
 
+def test_streamed_echo_joins_to_the_non_streamed_answer(client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "Water boils at"]
+    args = {"model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    whole = sorted(client.completions.create(**args).choices, key=lambda c: c.index)
+    text = {c.index: "" for c in whole}
+    tokens: dict[int, list[str]] = {c.index: [] for c in whole}
+    offsets: dict[int, list[int]] = {c.index: [] for c in whole}
+    logprobs: dict[int, list[float | None]] = {c.index: [] for c in whole}
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            text[c.index] += c.text
+            if c.logprobs is not None:
+                tokens[c.index] += c.logprobs.tokens
+                offsets[c.index] += c.logprobs.text_offset
+                logprobs[c.index] += c.logprobs.token_logprobs
+    for c in whole:
+        assert text[c.index] == c.text and c.text.startswith(prompts[c.index])
+        assert tokens[c.index] == c.logprobs.tokens and offsets[c.index] == c.logprobs.text_offset
+        assert logprobs[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
+
+
 REFUSED = [
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "max_token": 5}, "unknown field 'max_token'"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),

@@ -23,8 +23,6 @@ class CompletionsFlavor:
 
     def prepare(self, body: CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
         prompts: list[Prompt] = prompts_of(body)
-        if body.echo and body.stream:
-            raise ValueError("echo is not supported with stream=true")
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
         params = body.sampling_params(max_tokens, body.logprobs)
         if body.echo:
@@ -35,15 +33,11 @@ class CompletionsFlavor:
         echo = meta.body is not None and meta.body.echo
         choices = []
         for prompt_index, output in enumerate(outputs):
-            prompt_text = ""
-            if echo:
-                prompt_text = (
-                    output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
-                )
+            prompt_text, prompt_logprobs = self._echoed(output) if echo else ("", [])
             for c in output.outputs:
                 logprobs: Sequence[TokenLogprob | None] | None = c.logprobs
-                if echo and logprobs is not None:
-                    logprobs = [*(output.prompt_logprobs or []), *logprobs]
+                if logprobs is not None:
+                    logprobs = [*prompt_logprobs, *logprobs]
                 choice = CompletionChoice(
                     index=prompt_index * meta.n + c.index,
                     text=prompt_text + c.text,
@@ -54,13 +48,30 @@ class CompletionsFlavor:
         return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
 
     def chunk(self, meta: ResponseMeta, delta: ChoiceDelta, usage: Usage | None) -> CompletionResponse:
+        """With echo, a choice's first chunk starts with the prompt (and its logprobs), so the chunks joined
+        equal the non-streamed choice; later chunks' text offsets count the prompt."""
+        text, offset = delta.text, delta.text_offset
+        logprobs: Sequence[TokenLogprob | None] | None = delta.logprobs
+        echo = meta.body is not None and meta.body.echo
+        if echo and delta.first:
+            prompt_text, prompt_logprobs = self._echoed(delta.request)
+            meta.stream_state[delta.index] = len(prompt_text)
+            text = prompt_text + text
+            logprobs = [*prompt_logprobs, *logprobs] if logprobs is not None else None
+        elif echo:
+            offset += meta.stream_state[delta.index]
         choice = CompletionChoice(
             index=delta.index,
-            text=delta.text,
-            logprobs=self._logprobs(delta.logprobs, delta.text_offset, None),
+            text=text,
+            logprobs=self._logprobs(logprobs, offset, delta.request.prompt_token_ids[0]),
             finish_reason=delta.finish_reason,
         )
         return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage)
+
+    def _echoed(self, output: RequestOutput) -> tuple[str, list[TokenLogprob | None]]:
+        """The prompt's text and its logprobs (the first position unscored: None), as echo returns them."""
+        text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
+        return text, list(output.prompt_logprobs or [])
 
     def usage_chunk(self, meta: ResponseMeta, usage: Usage) -> CompletionResponse:
         return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=[], usage=usage)

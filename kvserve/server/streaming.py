@@ -41,6 +41,7 @@ class ChoiceDelta:
     text_offset: int  # characters of this choice sent before `text`
     finish_reason: str | None
     first: bool
+    request: RequestOutput  # the prompt's output the choice belongs to (its prompt, for echo)
 
 
 class Flavor(Protocol):
@@ -110,7 +111,8 @@ async def sse_events(
                 finish = completion.finish_reason if not reported else None
                 if not (text or new_logprobs or finish):
                     continue
-                delta = ChoiceDelta(index, text, new_logprobs, chars, finish, first=index not in sent)
+                request = outputs[index // meta.n]
+                delta = ChoiceDelta(index, text, new_logprobs, chars, finish, index not in sent, request)
                 sent[index] = (len(completion.text), len(completion.token_ids), finish is not None or reported)
                 yield sse(flavor.chunk(meta, delta, usage))
         else:
