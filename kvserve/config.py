@@ -7,7 +7,9 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none")
-ATTENTION_BACKENDS = ("auto", "auto_cpu", "cpu", "tiled", "reference", "sdpa", "triton")
+# The attention backends by name (kernels/backends.py); "auto" picks one for the device.
+BACKEND_NAMES = ("auto_cpu", "cpu", "tiled", "reference", "sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", *BACKEND_NAMES)
 
 
 @dataclass

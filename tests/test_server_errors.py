@@ -14,7 +14,7 @@ import pytest
 from kvserve.cli import main
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.registry import load_tokenizer
-from kvserve.server.async_engine import RequestStream
+from kvserve.server.engine_client import RequestStream
 from kvserve.server.errors import MAX_MESSAGE_CHARS
 from kvserve.server.openai_api import build_app
 from kvserve.server.testing import ServerThread

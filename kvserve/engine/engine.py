@@ -30,6 +30,7 @@ from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from kvserve.engine.sequence import Request, Sequence
 from kvserve.engine.step_trace import StepTrace, work_of
 from kvserve.engine.stop_checker import append_token
+from kvserve.intmath import div_ceil
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 from kvserve.model import linear
 from kvserve.model.llama import LlamaModel
@@ -43,6 +44,10 @@ from kvserve.structured.masks import start_masks
 logger = logging.getLogger(__name__)
 # Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
 _DRAFT_SLOT = -1
+
+
+# A prompt as text or as token ids.
+Prompt = str | Seq[int]
 
 
 class QueueFullError(RuntimeError):
@@ -175,7 +180,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Seq[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
@@ -235,7 +240,7 @@ class LLMEngine:
         limit = min(self.config.max_n, self.config.max_num_seqs)
         if params.n > limit:
             raise ValueError(f"n must be at most {limit} (max_n, max_num_seqs), got {params.n}")
-        blocks = -(-(prompt_len + params.max_tokens) // self.config.block_size)
+        blocks = div_ceil(prompt_len + params.max_tokens, self.config.block_size)
         if blocks > self.pool.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
@@ -456,7 +461,7 @@ class LLMEngine:
 
     def _trim_blocks(self, seq: Sequence) -> None:
         """Release blocks that only held K/V of rejected drafts (positions >= num_tokens)."""
-        keep = -(-seq.num_tokens // self.config.block_size)
+        keep = div_ceil(seq.num_tokens, self.config.block_size)
         if len(seq.block_table) > keep:
             self.pool.free_blocks(seq.block_table[keep:])
             del seq.block_table[keep:]

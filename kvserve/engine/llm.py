@@ -6,12 +6,10 @@ from collections.abc import Sequence as Seq
 from typing import Any, cast
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine
+from kvserve.engine.engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
-
-Prompt = str | Seq[int]
 
 
 class LLM:

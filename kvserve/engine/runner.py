@@ -14,9 +14,9 @@ import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kernels.backends import runs_compiled_decode
-from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.metadata import AttentionFn, AttentionMetadata
 from kvserve.model.huge_pages import empty_on_huge_pages
-from kvserve.model.llama import AttentionFn, LlamaModel
+from kvserve.model.llama import LlamaModel
 
 
 class KVCache:

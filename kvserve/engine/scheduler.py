@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.prefix_cache import extend_block_hashes, identity_at
 from kvserve.engine.sequence import SeqStatus, Sequence
+from kvserve.intmath import div_ceil
 
 
 @dataclass
@@ -211,7 +212,7 @@ class Scheduler:
             else:
                 # Without chunking a whole prompt runs at once; one larger than the budget runs alone.
                 want = remaining
-            blocks_needed = -(-(computed + want) // self.block_size) - len(hits)
+            blocks_needed = div_ceil(computed + want, self.block_size) - len(hits)
             revived = sum(1 for b in hits if self.pool.is_free(b))
             if self.pool.num_free - (blocks_needed + revived) < self.watermark_blocks and (
                 self.running or out.scheduled or self.pool.num_free < blocks_needed + revived
@@ -267,7 +268,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, total_tokens: int, out: SchedulerOutput) -> bool:
         """Make the blocks for positions < total_tokens writable; False if the pool is short."""
         copy = self._needs_copy(seq)
-        need = -(-total_tokens // self.block_size) - len(seq.block_table)
+        need = div_ceil(total_tokens, self.block_size) - len(seq.block_table)
         if self.pool.num_free < max(need, 0) + int(copy):
             return False
         if copy:

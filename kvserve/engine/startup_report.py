@@ -8,7 +8,6 @@ serving. A report is an ordered list of named rows, so a new field is one `repor
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.intmath import div_ceil
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
 from kvserve.model.registry import load_model, resolve
@@ -67,7 +67,7 @@ def engine_report(engine: LLMEngine) -> StartupReport:
         f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
         f"{engine.cache.tensor.nbytes} bytes ({engine.cache.tensor.nbytes / 2**20:.1f} MiB)",
     )
-    report.add("max sequences at full context", num_blocks // math.ceil(engine.max_model_len / block_size))
+    report.add("max sequences at full context", num_blocks // div_ceil(engine.max_model_len, block_size))
     report.add("max_model_len", f"{engine.max_model_len} tokens (model context {model_config.max_position_embeddings})")
     report.add("max_num_seqs", config.max_num_seqs)
     report.add("max_num_batched_tokens", config.max_num_batched_tokens)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.intmath import div_ceil
 from kvserve.kernels.metadata import AttentionMetadata
 
 # The running max starts at this finite floor rather than -inf, so exp(m_old - m_new) and
@@ -122,7 +123,7 @@ def _prefill_items(meta: AttentionMetadata, seqs: list[int] | None, q_tile: int,
     """One item per query tile of each sequence in seqs; a tile visits keys 0 (or its first row's window
     start) .. its last position."""
     ids, qlen, slen, row0 = _host_lengths(meta, seqs)
-    tiles = (qlen + q_tile - 1) // q_tile
+    tiles = (qlen + q_tile - 1) // q_tile  # tensors: div_ceil is for ints
     owner = torch.repeat_interleave(torch.arange(len(ids)), tiles)
     first_tile = torch.cumsum(tiles, 0) - tiles
     start = (torch.arange(len(owner)) - first_tile[owner]) * q_tile  # row offset in the sequence
@@ -196,8 +197,8 @@ def _plan(
     longest = int(kv_len.max())
     if kv_tile is None:
         kv_tile = max(16, TILE_BYTES // (w * hkv * (2 * d + mg) * 4))
-    n_tiles = -(-longest // kv_tile)
-    kv_tile = -(-longest // n_tiles)  # same tile count, equal tiles: no padded tail past the longest
+    n_tiles = div_ceil(longest, kv_tile)
+    kv_tile = div_ceil(longest, n_tiles)  # same tile count, equal tiles: no padded tail past the longest
     # Sorted, the items active at a tile are a prefix; with one tile and no empty item, all are active.
     sort = n_tiles > 1 or int(kv_len.min()) == 0
     order = torch.argsort(kv_len, descending=True, stable=True) if sort else torch.arange(w)

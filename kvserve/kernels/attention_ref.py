@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.intmath import div_ceil
 from kvserve.kernels.metadata import AttentionMetadata
 
 
@@ -49,7 +50,7 @@ def reference_attention(
 def gather_sequence_kv(cache: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
     """Keys (or values) 0 .. seq_lens[i]-1 of sequence i as a contiguous [seq_len, Hkv, D] copy."""
     n = meta.seq_lens_host[i]
-    blocks = meta.block_tables[i, : -(-n // meta.block_size)]
+    blocks = meta.block_tables[i, : div_ceil(n, meta.block_size)]
     return cache.index_select(0, blocks).flatten(0, 1)[:n]
 
 
@@ -86,7 +87,7 @@ def random_paged_inputs(
     """Random q and caches with each sequence's blocks scattered through the pool in shuffled order,
     as a busy block pool leaves them, plus one spare block so table padding points at foreign data."""
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-s // block_size) for s in seq_lens]
+    blocks = [div_ceil(s, block_size) for s in seq_lens]
     pool = sum(blocks) + 1
     perm = torch.randperm(pool, generator=gen).tolist()
     tables, start = [], 0

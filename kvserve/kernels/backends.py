@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Callable
 
 import torch
 
+from kvserve.config import BACKEND_NAMES
 from kvserve.kernels import cpu
 from kvserve.kernels.attention import tiled_attention
 from kvserve.kernels.attention_cpu import cpu_attention
 from kvserve.kernels.attention_ref import paged_reference_attention
 from kvserve.kernels.attention_sdpa import sdpa_attention
-from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.metadata import AttentionFn, AttentionMetadata
 
 logger = logging.getLogger(__name__)
-AttentionFn = Callable[..., torch.Tensor]
-BACKEND_NAMES = ("tiled", "reference", "sdpa", "triton", "cpu", "auto_cpu")
 
 
 def triton_available(device: torch.device | str) -> bool:

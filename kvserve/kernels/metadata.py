@@ -17,10 +17,14 @@ the other layers. The metadata must therefore not be modified after its first us
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+# An attention backend: (q, k_cache, v_cache, meta, scale, window=None) -> the output rows (backends.py).
+AttentionFn = Callable[..., torch.Tensor]
 
 
 @dataclass

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvserve.intmath import div_ceil
+
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 # Value types with a fixed size: (struct code, numpy dtype).
@@ -60,7 +62,7 @@ class GGUFFile:
             kind, offset = self._unpack("<IQ")
             infos.append((name, dims, GGMLQuantizationType(kind), offset))
         alignment = int(self.fields.get("general.alignment", 32))
-        start = -(-self._pos // alignment) * alignment
+        start = div_ceil(self._pos, alignment) * alignment
         raw = np.frombuffer(self._map, dtype=np.uint8)
         self.tensors = []
         for name, dims, kind, offset in infos:

@@ -19,11 +19,12 @@ of them, in the order a decode step reads them.
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 from collections.abc import Iterable
 
 import torch
+
+from kvserve.intmath import div_ceil
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def move_into_one_buffer(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None
     offsets, total = [], 0
     for t in distinct:
         offsets.append(total)
-        total += math.ceil(t.numel() / align) * align
+        total += div_ceil(t.numel(), align) * align
     buffer = empty_on_huge_pages(total, dtype)
     for t, offset in zip(distinct, offsets, strict=True):
         copy = buffer[offset : offset + t.numel()].view(t.shape)

@@ -10,13 +10,12 @@ sequence's cached prefix and its new tokens through one interface (see kernels/m
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
-from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.metadata import AttentionFn, AttentionMetadata
 from kvserve.model.config import FULL, ModelConfig
 from kvserve.model.huge_pages import move_into_one_buffer
 from kvserve.model.layer_ops import gelu_tanh_mul, head_rms_norm, layer_ops_for, rms_norm
@@ -52,7 +51,6 @@ class LayerLinears(NamedTuple):
 
 # (q, k_cache, v_cache, meta, scale, window=None): window, where given, is how many keys (its own
 # included) a query sees; every backend in kernels/backends.py takes it.
-AttentionFn = Callable[..., torch.Tensor]
 
 
 def torch_path_reasons(config: ModelConfig) -> list[str]:

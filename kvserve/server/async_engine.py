@@ -26,89 +26,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvserve.engine.engine import LLMEngine
+from kvserve.engine.engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
+from kvserve.server.engine_client import EngineUnavailableError, RequestStream, deliver_threadsafe
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 # How often an idle engine loop wakes. Python runs signal handlers on the main thread only, when it
 # next executes bytecode; the kernel may deliver SIGTERM to any thread (an OpenMP worker, uvloop's), and
 # a main thread asleep on the condition variable would then not see it until the next request: a
 # `kvserve serve` left idle ignored SIGTERM for minutes. Waking twice a second costs nothing measurable.
 IDLE_WAKE_S = 0.5
-
-
-class EngineUnavailableError(RuntimeError):
-    """The server is draining or its engine loop has died; the request was not admitted."""
-
-
-class RequestStream:
-    """The outputs of the requests submitted together (a batch of prompts), on the submitter's loop.
-
-    Iterating yields the latest snapshot of every request, in submission order, each time at least one
-    of them changed; snapshots that arrive faster than the consumer reads are coalesced (they are
-    cumulative, so nothing is lost). Iteration ends when all of them have finished.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_ids: list[str]) -> None:
-        self.loop = loop
-        self.request_ids = request_ids
-        self._latest: dict[str, RequestOutput] = {}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.error: BaseException | None = None  # what iteration raised, if it did
-        self.released = False
-
-    @property
-    def finished(self) -> bool:
-        return len(self._latest) == len(self.request_ids) and all(o.finished for o in self._latest.values())
-
-    @property
-    def outputs(self) -> list[RequestOutput]:
-        """The latest snapshot of each request that has produced one, in submission order."""
-        return [self._latest[i] for i in self.request_ids if i in self._latest]
-
-    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
-        deliver_threadsafe(self.loop, [(self, item)])
-
-    def put_nowait(self, item: RequestOutput | BaseException) -> None:
-        """On the stream's own loop only."""
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> list[RequestOutput]:
-        if self.finished:
-            raise StopAsyncIteration
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        for item in items:
-            if isinstance(item, BaseException):
-                self.error = item
-                raise item
-            self._latest[item.request_id] = item
-        return self.outputs
-
-
-def deliver_threadsafe(
-    loop: asyncio.AbstractEventLoop, items: Sequence[tuple[RequestStream, RequestOutput | BaseException]]
-) -> None:
-    """Hand items to streams living on `loop` with one wake-up of that loop, however many there are
-    (one call_soon_threadsafe per output woke the loop once per request per step)."""
-    try:
-        loop.call_soon_threadsafe(_put_all, items)
-    except RuntimeError:  # the loop is closed: the server that asked is gone, nobody is left to read
-        pass
-
-
-def _put_all(items: Sequence[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-    for stream, item in items:
-        stream.put_nowait(item)
 
 
 def request_ids_of(request_id: str, num_prompts: int) -> list[str]:

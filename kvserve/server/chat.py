@@ -7,10 +7,10 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from kvserve.engine.engine import Prompt
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
-from kvserve.server.async_engine import Prompt
 from kvserve.server.protocol import (
     AssistantMessage,
     ChatChoice,

@@ -6,10 +6,10 @@ import dataclasses
 from collections.abc import Sequence
 from itertools import accumulate
 
+from kvserve.engine.engine import Prompt
 from kvserve.engine.outputs import RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
-from kvserve.server.async_engine import Prompt
 from kvserve.server.limits import prompts_of
 from kvserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from kvserve.server.streaming import ChoiceDelta, ResponseMeta

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from kvserve.engine.engine import Prompt
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
 from kvserve.server.limits import FieldError, RequestLimits, param_of, request_texts
@@ -38,9 +39,9 @@ class InputProcessor:
         prompts, params = flavor.prepare(body)
         return [self._token_ids(prompt) for prompt in prompts], params
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+    def _token_ids(self, prompt: Prompt) -> list[int]:
         if not isinstance(prompt, str):
-            return prompt
+            return list(prompt)
         if not prompt:
             raise ValueError("prompt must not be empty")
         return self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
+from kvserve.engine.engine import Prompt
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -149,7 +150,7 @@ class RequestLimits:
         return len(prompts)
 
 
-def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
+def prompts_of(body: CompletionRequest) -> list[Prompt]:
     """One prompt is a string or a list of ids; anything else is a batch (one choice group per prompt)."""
     prompt = body.prompt
     single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)

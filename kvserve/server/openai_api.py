@@ -24,12 +24,11 @@ from pydantic import BaseModel
 
 from kvserve.engine.engine import QueueFullError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.server.async_engine import EngineUnavailableError, RequestStream
 from kvserve.server.auth import BearerAuth
 from kvserve.server.body_limit import BodyLimit
 from kvserve.server.chat import ChatFlavor
 from kvserve.server.completions import CompletionsFlavor
-from kvserve.server.engine_client import EngineClient
+from kvserve.server.engine_client import EngineClient, EngineUnavailableError, RequestStream
 from kvserve.server.errors import APIError, error_response, install_error_handlers
 from kvserve.server.inputs import InputProcessor
 from kvserve.server.limits import RequestLimits, ServerLimits

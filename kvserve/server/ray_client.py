@@ -24,10 +24,12 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from kvserve.engine.engine import Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
-from kvserve.server.async_engine import EngineUnavailableError, Prompt, RequestStream, request_ids_of
+from kvserve.server.async_engine import request_ids_of
+from kvserve.server.engine_client import EngineUnavailableError, RequestStream
 from kvserve.server.ray_replica import Admission, ReplicaInfo
 from kvserve.server.replica_metrics import ReplicaView, aggregate_stats
 from kvserve.server.routing import Router, RoutingConfig, routing_key

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, QueueFullError
+from kvserve.engine.engine import LLMEngine, Prompt, QueueFullError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.server.async_engine import AsyncEngine, EngineUnavailableError, Prompt
+from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.engine_client import EngineUnavailableError
 
 REFUSALS: dict[str, type[Exception]] = {
     "invalid": ValueError,

@@ -9,12 +9,12 @@ the same statistics combination the CPU kernel uses (flash-decoding).
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
+from kvserve.intmath import div_ceil
 from kvserve.kernels.attention import merge_attention_states
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.kernels.triton.prefill import LOG2E, M_FLOOR, dot_precision
@@ -122,7 +122,7 @@ def _decode_kernel(
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough programs to fill the GPU twice over, but no split shorter than 256 keys."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = math.ceil(2 * sms / max(1, num_seqs * num_kv_heads))
+    wanted = div_ceil(2 * sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(wanted, max_seq_len // 256))
 
 
