@@ -4,7 +4,7 @@ A/B in one run on one `kvserve serve` (which records every step either way; `--n
 Each round runs the workload twice, once with a viewer following /v1/engine/events and once without, in
 alternating order (closed-open, open-closed, ...), each with fresh prompts so that no run is served from
 a warm prefix cache. The viewer is the page itself in headless Chromium (`--viewer browser`: its
-rendering shares the cores, as it would on a desktop) or a client that reads and decodes the stream as
+rendering shares the cores, as it would on a desktop) or a process that reads and decodes the stream as
 the page does (`--viewer events`). The workload is the replay client's (`kvserve bench serve`): N
 requests of fixed input/output lengths, all at once, ignoring EOS. Prints one row per run, each round's
 open/closed throughput ratio and the median ratio; writes JSON (kvserve.bench.results.save_results).
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import subprocess
-import threading
 import time
+from multiprocessing.sharedctypes import Synchronized as Value
+from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
 import httpx
@@ -36,31 +38,40 @@ from kvserve.server.testing import CHROMIUM, CHROMIUM_ARGS
 BROWSER_SETTLE_S = 5.0
 
 
+def follow_events(url: str, stop: EventType, steps: Value) -> None:
+    """Reads /v1/engine/events until `stop`, decoding every event as the page does; counts the steps."""
+    with httpx.stream("GET", f"{url}/v1/engine/events", timeout=None) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if stop.is_set():
+                return
+            if line.startswith("data: "):
+                steps.value += len(json.loads(line[6:]).get("steps", []))
+
+
 class EventsViewer:
-    """Follows /v1/engine/events on a thread, decoding every event as the page does."""
+    """Follows /v1/engine/events in a process of its own (as a browser would be), so decoding the feed
+    does not share the load generator's interpreter and skew its timings."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
-        self.steps = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._stop = multiprocessing.Event()
+        self._steps = multiprocessing.Value("l", 0)
+        self._process = multiprocessing.Process(target=follow_events, args=(url, self._stop, self._steps))
+
+    @property
+    def steps(self) -> int:
+        return self._steps.value
 
     def __enter__(self) -> EventsViewer:
-        self._thread.start()
+        self._process.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(10)
-
-    def _follow(self) -> None:
-        with httpx.stream("GET", f"{self.url}/v1/engine/events", timeout=None) as response:
-            response.raise_for_status()
-            for line in response.iter_lines():
-                if self._stop.is_set():
-                    return
-                if line.startswith("data: "):
-                    self.steps += len(json.loads(line[6:]).get("steps", []))
+        self._process.join(10)
+        if self._process.is_alive():  # blocked on a feed that went quiet: nothing more to count
+            self._process.terminate()
+            self._process.join()
 
 
 class BrowserViewer:
