@@ -4,6 +4,8 @@ The kernels link against the torch that is installed, so the package is built wi
 (`pip install --no-build-isolation`, as scripts/setup.sh does): an isolated build would download a torch
 of its own (a multi-GB CUDA build), which is why torch is not in [build-system] requires. The build
 config and fingerprint come from kvserve/kernels/cpu/build_config.py, shared with the run-time build.
+One module is built per instruction-set path this CPU can execute (build_config.ISAS: on an AMX machine
+generic, avx2, avx512 and amx), so KVSERVE_CPU_ISA can force any of them at run time without compiling.
 KVSERVE_BUILD_CPU_KERNELS=0 installs without them (the first server start then builds them, or
 KVSERVE_CPU_KERNELS=0 runs on torch ops).
 """
@@ -15,7 +17,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 ROOT = Path(__file__).resolve().parent
 
@@ -28,12 +30,31 @@ def load_build_config() -> ModuleType:
     return module
 
 
+def build_command() -> type:
+    """torch's BuildExtension, each module compiled in a folder of its own: the paths' modules share their
+    sources, and in one folder each would overwrite the other's object files and ninja file."""
+    from torch.utils.cpp_extension import BuildExtension
+
+    class BuildEachInItsOwnFolder(BuildExtension):
+        build_temp: str  # set by setuptools' finalize_options
+
+        def build_extension(self, ext: Extension) -> None:
+            shared = self.build_temp
+            self.build_temp = os.path.join(shared, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = shared
+
+    return BuildEachInItsOwnFolder
+
+
 def kernel_build() -> dict:
     if os.environ.get("KVSERVE_BUILD_CPU_KERNELS", "1") == "0":
         return {}
     try:
         import torch
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import CppExtension
     except ImportError as exc:
         raise SystemExit(
             f"kvserve builds its CPU kernels against the installed torch, and none is importable ({exc}): "
@@ -41,15 +62,24 @@ def kernel_build() -> dict:
             "or set KVSERVE_BUILD_CPU_KERNELS=0 to install without the kernels"
         ) from exc
     config = load_build_config()
-    fingerprint = config.fingerprint(torch.__version__)
-    extension = CppExtension(
-        name=f"kvserve.kernels.cpu.{config.PREBUILT_NAME}",
-        sources=[str(path.relative_to(ROOT)) for path in config.sources()],
-        # -g0: Python's own build flags (sysconfig) ask for debug info, which only slows the compile.
-        extra_compile_args={"cxx": [*config.CFLAGS, "-g0", config.fingerprint_define(fingerprint)]},
-        extra_link_args=config.LDFLAGS,
-    )
-    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+    sources = [str(path.relative_to(ROOT)) for path in config.sources()]
+    extensions = [
+        CppExtension(
+            name=f"kvserve.kernels.cpu.{config.prebuilt_name(isa)}",
+            sources=sources,
+            # -g0: Python's own build flags (sysconfig) ask for debug info, which only slows the compile.
+            extra_compile_args={
+                "cxx": [
+                    *config.cflags(isa),
+                    "-g0",
+                    config.fingerprint_define(config.fingerprint(torch.__version__, isa)),
+                ]
+            },
+            extra_link_args=config.LDFLAGS,
+        )
+        for isa in config.executable_isas()
+    ]
+    return {"ext_modules": extensions, "cmdclass": {"build_ext": build_command()}}
 
 
 setup(**kernel_build())
