@@ -76,6 +76,16 @@ def test_a_path_the_cpu_cannot_execute_or_an_unknown_name_is_refused_naming_the_
     assert issubclass(IsaError, ValueError)  # the CLI prints a ValueError as one line and exits 2
 
 
+def test_a_forced_path_caps_torchs_own_cpu_code_unless_the_user_did() -> None:
+    assert set(cpu_isa.TORCH_CAPS) == set(build_config.ISA_NAMES)
+    environ = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    assert cpu_isa.cap_torch(choose("avx2", SAPPHIRE_RAPIDS), environ) == {"ATEN_CPU_CAPABILITY": "avx2"}
+    assert environ == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx2"}
+    untouched: dict[str, str] = {}
+    assert cpu_isa.cap_torch(choose(None, ZEN2), untouched) == {} and untouched == {}  # the best path: no caps
+    assert cpu_isa.cap_torch(choose("amx", SAPPHIRE_RAPIDS), untouched) == {} and untouched == {}
+
+
 PRESENT_ABSENT = {
     "generic": ((), ("__AVX2__", "__FMA__", "__F16C__", "__AVX512F__", "__AMX_TILE__", "__AMX_BF16__")),
     "avx2": (("__AVX2__", "__FMA__", "__F16C__"), ("__AVX512F__", "__AVX512BF16__", "__AMX_TILE__", "__AMX_BF16__")),
@@ -119,10 +129,12 @@ def test_the_kernel_choice_raises_rather_than_falling_back(
 
 
 def run_cli(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with `env` added to this process's environment, less any torch caps set in it."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
     return subprocess.run(
         [sys.executable, "-m", "kvserve.cli", *args],
         cwd=ROOT,
-        env={**os.environ, **env},
+        env={**inherited, **env},
         capture_output=True,
         text=True,
         timeout=600,
@@ -144,15 +156,17 @@ def test_kvserve_refuses_to_start_on_a_path_this_cpu_cannot_execute(value: str) 
     assert "Traceback" not in proc.stderr
 
 
-def test_info_names_a_forced_path_and_decides_the_dtype_as_that_cpu_would() -> None:
+def test_info_names_a_forced_path_and_decides_as_that_cpu_would() -> None:
     """generic has no bf16 hardware and, with the kernels off, no GEMV: --dtype auto is float32 on every CPU
-    (on one with AVX512-BF16 or AMX it would be bf16 if the path were not forced)."""
+    (on one with AVX512-BF16 or AMX it would be bf16 if the path were not forced); torch's ATen kernels run
+    their portable form (the cap took effect: ATen reports what it uses)."""
     proc = run_cli(["info", "--json", "--num-kv-blocks", "16"], KVSERVE_CPU_ISA="generic", KVSERVE_CPU_KERNELS="0")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     best = build_config.executable_isas()[-1].name
     assert rows["cpu path"] == f"generic (forced by KVSERVE_CPU_ISA; this CPU runs up to {best})"
     assert rows["dtype"] == "float32 (--dtype auto)"
+    assert rows["torch cpu ops"] == "ATen DEFAULT, oneDNN up to SSE41"
 
 
 KERNEL_TESTS = ["tests/test_cpu_ops.py", "tests/test_quantized_kernels.py"]

@@ -60,6 +60,8 @@ def engine_report(engine: LLMEngine) -> StartupReport:
     kernels = cpu.choice()
     report.add("cpu kernels", f"{kernels.source}: {kernels.reason}")
     report.add("cpu path", kernels.isa.describe())
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "the CPU's best")
+    report.add("torch cpu ops", f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN up to {onednn}")
     report.add("compiled decode step", "yes" if engine.runner.compiled_decode else "no")
     features = set(build_config.cpu_features())
     report.add("cpu features", " ".join(f for f in RELEVANT_CPU_FEATURES if f in features) or "none of interest")

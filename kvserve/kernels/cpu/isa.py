@@ -11,12 +11,21 @@ ignored, never silently replaced by another path.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from kvserve.kernels.cpu import build_config
 from kvserve.kernels.cpu.build_config import Isa
 
 ENV = "KVSERVE_CPU_ISA"
+# The variables that hold torch's own CPU code (ATen's vectorized kernels, oneDNN's products) to each path.
+# torch reads them once per process, at first use: cap_torch must run before torch computes anything.
+TORCH_CAPS = {
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "amx": {},
+}
 
 
 class IsaError(ValueError):
@@ -65,3 +74,13 @@ def choose(setting: str | None, features: list[str]) -> IsaChoice:
 def selected() -> IsaChoice:
     """This process's path: KVSERVE_CPU_ISA, checked against this machine's CPU, else its best."""
     return choose(os.environ.get(ENV), build_config.cpu_features())
+
+
+def cap_torch(choice: IsaChoice, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """For a forced path, set its TORCH_CAPS in `environ`, keeping any the user set; returns those it set.
+    The CLI calls it first thing, so a forced path measures torch's operations as that CPU would run them."""
+    if not choice.forced:
+        return {}
+    added = {name: value for name, value in TORCH_CAPS[choice.isa.name].items() if name not in environ}
+    environ.update(added)
+    return added
