@@ -176,7 +176,7 @@ AMX_CASES = [
 @pytest.fixture
 def amx(kernels):
     if not kernels.amx_available():
-        pytest.skip("no AMX-BF16 on this CPU")
+        pytest.skip("no AMX-BF16 on this CPU, or a lower path forced (KVSERVE_CPU_ISA)")
     yield kernels
     kernels.set_amx_attention(True)
 
