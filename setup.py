@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,9 +24,11 @@ ROOT = Path(__file__).resolve().parent
 
 
 def load_build_config() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("build_config", ROOT / "kvserve/kernels/cpu/build_config.py")
+    name = "kvserve_build_config"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "kvserve/kernels/cpu/build_config.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there while the file runs
     spec.loader.exec_module(module)
     return module
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import runpy
 import shutil
 import subprocess
 import sys
@@ -84,12 +85,32 @@ def test_the_compiler_flag_puts_the_fingerprint_into_the_binary(tmp_path: Path) 
     assert build_config.embedded_fingerprint(library) is None  # the run-time build embeds none
 
 
+def test_setup_py_builds_one_module_per_path_this_cpu_executes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup.py as pip runs it, with setuptools' setup() replaced by a recorder: it loads build_config by
+    path (kvserve is not importable at install) and asks for each path's module with that path's flags."""
+    import setuptools
+
+    recorded: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: recorded.update(kwargs))
+    monkeypatch.delenv("KVSERVE_BUILD_CPU_KERNELS", raising=False)
+    monkeypatch.delitem(sys.modules, "kvserve_build_config", raising=False)
+    runpy.run_path(str(Path(build_config.__file__).parents[3] / "setup.py"))
+    isas = build_config.executable_isas()
+    modules = recorded["ext_modules"]
+    assert [m.name for m in modules] == [f"kvserve.kernels.cpu._prebuilt_{isa.name}" for isa in isas]
+    for module, isa in zip(modules, isas, strict=True):
+        assert module.extra_compile_args["cxx"][: len(build_config.cflags(isa))] == build_config.cflags(isa)
+
+
 def fake_prebuilt(monkeypatch: pytest.MonkeyPatch, origin: Path | None) -> None:
+    """The avx2 path's install build at `origin` (None: not installed), and no other path's."""
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name: str, *args: object) -> object:
         if name == f"kvserve.kernels.cpu.{build_config.prebuilt_name(AVX2)}":
             return None if origin is None else SimpleNamespace(origin=str(origin))
+        if name.startswith(f"kvserve.kernels.cpu.{build_config.PREBUILT_NAME}"):
+            return None
         return real_find_spec(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
