@@ -4,8 +4,9 @@ one KVSERVE_CPU_ISA forces, so the paths below a CPU's best are measured and tes
 The paths (build_config.ISAS, lowest first): generic (the kernels' portable C++ loops), avx2, avx512,
 amx. Forcing one means loading that path's build (its own module and fingerprint) and deciding every
 CPU-feature question as a CPU without the instructions above it would (`IsaChoice.bf16`: the dtype
-choice; `cap_torch`: torch's own CPU code, where the CLI starts the process). An unknown value, or a path this CPU cannot execute, is an error naming the variable: never
-ignored, never silently replaced by another path.
+choice; `cap_torch`: torch's own CPU code, where the CLI starts the process). An unknown value, or a
+path this CPU cannot execute, is an error naming the variable: never ignored, never silently replaced by
+another path.
 """
 
 from __future__ import annotations
