@@ -7,7 +7,7 @@ config and fingerprint come from kvserve/kernels/cpu/build_config.py, shared wit
 One module is built per instruction-set path this CPU can execute (build_config.ISAS: on an AMX machine
 generic, avx2, avx512 and amx), so KVSERVE_CPU_ISA can force any of them at run time without compiling.
 KVSERVE_BUILD_CPU_KERNELS=0 installs without them (the first server start then builds them, or
-KVSERVE_CPU_KERNELS=0 runs on torch ops).
+KVSERVE_CPU_KERNELS=0 runs on torch ops); KVSERVE_BUILD_CPU_KERNELS=avx2,amx (say) builds only those paths.
 """
 
 from __future__ import annotations
@@ -52,6 +52,21 @@ def build_command() -> type:
     return BuildEachInItsOwnFolder
 
 
+def paths_to_build(config: ModuleType, setting: str) -> list:
+    """Every path this CPU executes for "1", else the comma-separated paths named (each one it executes)."""
+    executable = config.executable_isas()
+    if setting == "1":
+        return executable
+    names = setting.split(",")
+    unknown = [name for name in names if name not in [isa.name for isa in executable]]
+    if unknown:
+        raise SystemExit(
+            f"KVSERVE_BUILD_CPU_KERNELS={setting}: {', '.join(unknown)} is not a path this CPU executes; "
+            f"use 0, 1 (all) or some of {', '.join(isa.name for isa in executable)}"
+        )
+    return [isa for isa in executable if isa.name in names]
+
+
 def kernel_build() -> dict:
     if os.environ.get("KVSERVE_BUILD_CPU_KERNELS", "1") == "0":
         return {}
@@ -80,7 +95,7 @@ def kernel_build() -> dict:
             },
             extra_link_args=config.LDFLAGS,
         )
-        for isa in config.executable_isas()
+        for isa in paths_to_build(config, os.environ.get("KVSERVE_BUILD_CPU_KERNELS", "1"))
     ]
     return {"ext_modules": extensions, "cmdclass": {"build_ext": build_command()}}
 

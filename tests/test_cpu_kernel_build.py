@@ -94,12 +94,19 @@ def test_setup_py_builds_one_module_per_path_this_cpu_executes(monkeypatch: pyte
     monkeypatch.setattr(setuptools, "setup", lambda **kwargs: recorded.update(kwargs))
     monkeypatch.delenv("KVSERVE_BUILD_CPU_KERNELS", raising=False)
     monkeypatch.delitem(sys.modules, "kvserve_build_config", raising=False)
-    runpy.run_path(str(Path(build_config.__file__).parents[3] / "setup.py"))
+    setup_py = Path(build_config.__file__).parents[3] / "setup.py"
+    runpy.run_path(str(setup_py))
     isas = build_config.executable_isas()
     modules = recorded["ext_modules"]
     assert [m.name for m in modules] == [f"kvserve.kernels.cpu._prebuilt_{isa.name}" for isa in isas]
     for module, isa in zip(modules, isas, strict=True):
         assert module.extra_compile_args["cxx"][: len(build_config.cflags(isa))] == build_config.cflags(isa)
+    monkeypatch.setenv("KVSERVE_BUILD_CPU_KERNELS", "generic")  # only the paths named
+    runpy.run_path(str(setup_py))
+    assert [m.name for m in recorded["ext_modules"]] == ["kvserve.kernels.cpu._prebuilt_generic"]
+    monkeypatch.setenv("KVSERVE_BUILD_CPU_KERNELS", "generic,avx1024")
+    with pytest.raises(SystemExit, match="KVSERVE_BUILD_CPU_KERNELS=generic,avx1024: avx1024 is not a path"):
+        runpy.run_path(str(setup_py))
 
 
 def fake_prebuilt(monkeypatch: pytest.MonkeyPatch, origin: Path | None) -> None:
