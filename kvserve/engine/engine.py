@@ -32,6 +32,7 @@ from kvserve.engine.step_trace import StepTrace, work_of
 from kvserve.engine.stop_checker import append_token
 from kvserve.intmath import div_ceil
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
+from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.model import linear
 from kvserve.model.llama import LlamaModel
 from kvserve.model.quantized_linear import quantized_kernels
@@ -84,12 +85,9 @@ def bf16_pays_on_cpu() -> bool:
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Native bf16 products on the selected instruction-set path: a forced lower path (KVSERVE_CPU_ISA)
+    decides as a CPU without them would."""
+    return cpu_isa.selected().bf16
 
 
 @dataclass

@@ -24,8 +24,9 @@ from kvserve.model.registry import load_model, resolve
 if TYPE_CHECKING:
     from kvserve.engine.engine import LLMEngine
 
-# The CPU features the kernels and the dtype choice depend on (the rest of /proc/cpuinfo's flags do not matter).
-RELEVANT_CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+# The CPU features the kernels' paths and the dtype choice depend on (the rest of /proc/cpuinfo's flags do not
+# matter): what each path requires, and AVX512-BF16.
+RELEVANT_CPU_FEATURES = tuple(dict.fromkeys([*(f for isa in build_config.ISAS for f in isa.requires), "avx512_bf16"]))
 
 
 @dataclass
@@ -58,6 +59,9 @@ def engine_report(engine: LLMEngine) -> StartupReport:
     report.add("attention backend", f"{engine.attention_backend} (--attention-backend {config.attention_backend})")
     kernels = cpu.choice()
     report.add("cpu kernels", f"{kernels.source}: {kernels.reason}")
+    report.add("cpu path", kernels.isa.describe())
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "the CPU's best")
+    report.add("torch cpu ops", f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN up to {onednn}")
     report.add("compiled decode step", "yes" if engine.runner.compiled_decode else "no")
     features = set(build_config.cpu_features())
     report.add("cpu features", " ".join(f for f in RELEVANT_CPU_FEATURES if f in features) or "none of interest")

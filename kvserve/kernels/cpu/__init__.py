@@ -5,12 +5,14 @@ replaces lives in kvserve/model/layer_ops.py (and kernels/attention_sdpa.py for 
 the fallback where the kernels cannot be built (no compiler, CUDA tensors), and is the reference
 tests/test_cpu_ops.py compares it with.
 
-`load()` picks, once per process (`choice()` says which and why; the startup report prints it):
+`load()` picks, once per process, a build of the instruction-set path isa.py selects (the CPU's best, or
+the one KVSERVE_CPU_ISA forces; an impossible value raises) (`choice()` says which and why; the startup
+report prints it):
 1. nothing when KVSERVE_CPU_KERNELS=0 (torch ops everywhere);
-2. the module `pip install` built (setup.py, kvserve.kernels.cpu._prebuilt), if the fingerprint written
-   into it matches this machine's (build_config.py: same sources, flags, torch and CPU features), so a
-   fresh install starts without compiling; KVSERVE_CPU_KERNELS=jit skips it;
-3. otherwise a build for this CPU with torch's JIT builder, cached under TORCH_EXTENSIONS_DIR (default
+2. the path's module `pip install` built (setup.py, kvserve.kernels.cpu._prebuilt_<path>), if the
+   fingerprint written into it matches this machine's (build_config.py: same sources, path, flags, torch
+   and CPU features), so a fresh install starts without compiling; KVSERVE_CPU_KERNELS=jit skips it;
+3. otherwise a build of the path with torch's JIT builder, cached under TORCH_EXTENSIONS_DIR (default
    ~/.cache/torch_extensions) so only the first process after a change pays it. It is logged before it
    starts and when it ends; processes build one at a time (an flock, released even when its holder is
    killed), and one that waits for another's build says so;
@@ -34,12 +36,12 @@ from pathlib import Path
 from types import ModuleType
 
 from kvserve.kernels.cpu import build_config
+from kvserve.kernels.cpu import isa as cpu_isa
+from kvserve.kernels.cpu.build_config import Isa
 
 logger = logging.getLogger(__name__)
 
-NAME = build_config.NAME
 SOURCES = [str(path) for path in build_config.sources()]
-CFLAGS = build_config.CFLAGS
 # The size of a whole build in core-minutes, for the estimate the log gives before one starts.
 BUILD_CORE_MINUTES = 10
 # torch's own lock file, left behind by a build killed midway: torch would wait on it forever.
@@ -49,16 +51,17 @@ STALE_LOCK_S = 20 * 60
 @dataclass(frozen=True)
 class KernelChoice:
     module: ModuleType | None
+    isa: cpu_isa.IsaChoice  # the instruction-set path the module was built for
     source: str  # "install build", "run-time build", "off" or "unavailable"
     reason: str
 
 
-def build_directory() -> Path:
-    """TORCH_EXTENSIONS_DIR (or torch's default root), one folder per Python version."""
+def build_directory(isa: Isa) -> Path:
+    """TORCH_EXTENSIONS_DIR (or torch's default root), one folder per path and Python version."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return root / f"{NAME}_py{sys.version_info.major}{sys.version_info.minor}"
+    return root / f"{build_config.module_name(isa)}_py{sys.version_info.major}{sys.version_info.minor}"
 
 
 def remove_stale_lock(directory: Path) -> bool:
@@ -75,15 +78,15 @@ def remove_stale_lock(directory: Path) -> bool:
     return True
 
 
-def current_fingerprint() -> str:
+def current_fingerprint(isa: Isa) -> str:
     import torch
 
-    return build_config.fingerprint(torch.__version__)
+    return build_config.fingerprint(torch.__version__, isa)
 
 
-def prebuilt_mismatch(fingerprint: str) -> str | None:
-    """None when the install build exists and fits `fingerprint`, else why it cannot be used."""
-    spec = importlib.util.find_spec(f"{__name__}.{build_config.PREBUILT_NAME}")
+def prebuilt_mismatch(isa: Isa, fingerprint: str) -> str | None:
+    """None when the install build of `isa` exists and fits `fingerprint`, else why it cannot be used."""
+    spec = importlib.util.find_spec(f"{__name__}.{build_config.prebuilt_name(isa)}")
     if spec is None or spec.origin is None:
         return "no install build (installed without building the kernels, or run from a source tree)"
     embedded = build_config.embedded_fingerprint(Path(spec.origin))
@@ -109,25 +112,28 @@ def exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def build_for_this_cpu(fingerprint: str, why: str) -> ModuleType:
-    """The run-time build (or its cache), logged before and after whenever it compiles."""
+def build_for_this_cpu(isa: Isa, fingerprint: str, why: str) -> ModuleType:
+    """The run-time build of `isa` (or its cache), logged before and after whenever it compiles."""
     from torch.utils.cpp_extension import load as jit_load
 
-    directory = build_directory()
+    name = build_config.module_name(isa)
+    directory = build_directory(isa)
     directory.mkdir(parents=True, exist_ok=True)
     stamp = directory / "kvserve-fingerprint"
     with exclusive(directory / "kvserve-build.lock"):
         remove_stale_lock(directory)
-        cached = (directory / f"{NAME}.so").exists() and stamp.exists() and stamp.read_text() == fingerprint
+        cached = (directory / f"{name}.so").exists() and stamp.exists() and stamp.read_text() == fingerprint
         if not cached:
             minutes = max(1, round(BUILD_CORE_MINUTES / (os.cpu_count() or 1)))
-            logger.warning("building CPU kernels for this CPU (first start only, ~%d min): %s", minutes, why)
+            logger.warning(
+                "building CPU kernels for this CPU (%s path; first start only, ~%d min): %s", isa.name, minutes, why
+            )
         started = time.monotonic()
         module = jit_load(
-            name=NAME,
+            name=name,
             build_directory=str(directory),
             sources=SOURCES,
-            extra_cflags=CFLAGS,
+            extra_cflags=build_config.cflags(isa),
             extra_ldflags=build_config.LDFLAGS,
             verbose=False,
         )
@@ -139,20 +145,23 @@ def build_for_this_cpu(fingerprint: str, why: str) -> ModuleType:
 
 @functools.cache
 def choice() -> KernelChoice:
-    """Which kernels this process uses, and why (see the module docstring for the order)."""
+    """Which kernels this process uses, and why (see the module docstring for the order). Raises
+    cpu_isa.IsaError where KVSERVE_CPU_ISA names a path this CPU cannot execute (outside the fallback below:
+    a forced path is never replaced by torch ops in silence)."""
+    chosen = cpu_isa.selected()
     setting = os.environ.get("KVSERVE_CPU_KERNELS", "1")
     if setting == "0":
-        return KernelChoice(None, "off", "KVSERVE_CPU_KERNELS=0")
+        return KernelChoice(None, chosen, "off", "KVSERVE_CPU_KERNELS=0")
     try:
-        fingerprint = current_fingerprint()
-        why = "KVSERVE_CPU_KERNELS=jit" if setting == "jit" else prebuilt_mismatch(fingerprint)
+        fingerprint = current_fingerprint(chosen.isa)
+        why = "KVSERVE_CPU_KERNELS=jit" if setting == "jit" else prebuilt_mismatch(chosen.isa, fingerprint)
         if why is None:
-            module = importlib.import_module(f"{__name__}.{build_config.PREBUILT_NAME}")
-            return KernelChoice(module, "install build", "its fingerprint matches this machine")
-        return KernelChoice(build_for_this_cpu(fingerprint, why), "run-time build", why)
+            module = importlib.import_module(f"{__name__}.{build_config.prebuilt_name(chosen.isa)}")
+            return KernelChoice(module, chosen, "install build", "its fingerprint matches this machine")
+        return KernelChoice(build_for_this_cpu(chosen.isa, fingerprint, why), chosen, "run-time build", why)
     except Exception as exc:  # no compiler, no ninja, a header mismatch: fall back to torch ops
         logger.warning("kvserve CPU kernels unavailable, using torch ops instead: %s", exc)
-        return KernelChoice(None, "unavailable", str(exc))
+        return KernelChoice(None, chosen, "unavailable", str(exc))
 
 
 def load() -> ModuleType | None:

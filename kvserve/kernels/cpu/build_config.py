@@ -10,26 +10,60 @@ against, and the CPU's feature flags (`-march=native` makes the code valid only 
 features). The install build writes it into the module's binary (build_fingerprint.cpp) and the loader
 reads it back from the file before importing it: a module built for other sources or another CPU is
 never imported.
+
+Instruction-set paths (ISAS): the kernels choose their code at compile time (#ifdef __AMX_TILE__,
+__AVX512F__, __AVX2__, ...), so each path is a build of its own: -march=native with the instructions above
+the path switched off. A CPU can run every path whose `requires` flags it has, and each path's module has
+its own name and fingerprint, so the builds of one machine never collide (isa.py chooses one at run time).
 """
 
 from __future__ import annotations
 
 import hashlib
+import platform
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# The run-time build's module name, and the install build's module (kvserve.kernels.cpu._prebuilt).
+# The run-time build's module name, and the install build's module (kvserve.kernels.cpu._prebuilt_<isa>),
+# before the path's name is appended (module_name, prebuilt_name).
 NAME = "kvserve_cpu_ops"
 PREBUILT_NAME = "_prebuilt"
 # -ffp-contract=off: no FMA contraction, so float32 results round like the torch ops they replace.
 # -fno-trapping-math (as torch itself is built): without it GCC will not vectorize floor().
-# -march=native: the build happens on the machine that runs it (the fingerprint checks that it does).
-CFLAGS = [
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp",
-    "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
-]  # fmt: skip
+# -march=native: the build happens on the machine that runs it (the fingerprint checks that it does);
+# each path (ISAS) then switches off what lies above it.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 LDFLAGS = ["-fopenmp"]
+# GCC's -mno-amx-tile leaves AMX-BF16 and AMX-INT8 on: each is switched off by name. -mno-avx512f switches
+# off every AVX-512 subset (BW, VL, BF16, ...), -mno-avx2 AVX-512 too.
+NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+# 512-bit vectors where the path has them: GCC otherwise prefers 256 bits even with AVX-512.
+WIDE_VECTORS = "-mprefer-vector-width=512"
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One instruction-set path: the /proc/cpuinfo flags a CPU needs to run its build, and the flags
+    (after CFLAGS, x86 only) that keep the compiler below it."""
+
+    name: str
+    requires: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl")
+# In order, each above the one before. "generic" is the kernels' portable C++ loops (no intrinsics; the
+# only path on other architectures), the others the intrinsics each #ifdef selects.
+ISAS = (
+    Isa("generic", (), ("-mno-avx2", "-mno-fma", "-mno-f16c", *NO_AMX)),
+    Isa("avx2", _AVX2, ("-mno-avx512f", *NO_AMX)),
+    Isa("avx512", _AVX512, (WIDE_VECTORS, *NO_AMX)),
+    Isa("amx", (*_AVX512, "amx_tile", "amx_bf16"), (WIDE_VECTORS,)),
+)
+ISA_NAMES = tuple(isa.name for isa in ISAS)
 # The install build defines this macro as "fp_<fingerprint>"; build_fingerprint.cpp stores it after MARKER.
 FINGERPRINT_MACRO = "KVSERVE_FINGERPRINT"
 MARKER = b"kvserve-build-fingerprint:"
@@ -54,12 +88,41 @@ def cpu_features(cpuinfo: Path = CPUINFO) -> list[str]:
     return sorted(match.group(1).split()) if match else []
 
 
-def fingerprint(torch_version: str, directory: Path = HERE, features: list[str] | None = None) -> str:
-    """sha256 over sources, headers, flags, torch version and CPU features (hex, 64 characters)."""
+def isa_named(name: str) -> Isa:
+    """The path called `name` (one of ISA_NAMES)."""
+    for isa in ISAS:
+        if isa.name == name:
+            return isa
+    raise KeyError(name)
+
+
+def executable_isas(features: list[str] | None = None) -> list[Isa]:
+    """The paths a CPU with these feature flags (default: this machine's) can run, lowest first."""
+    have = set(cpu_features() if features is None else features)
+    return [isa for isa in ISAS if have.issuperset(isa.requires)]
+
+
+def cflags(isa: Isa, machine: str | None = None) -> list[str]:
+    """The compiler flags of `isa`'s build; the x86 switches only on x86 (elsewhere only generic runs)."""
+    x86 = (machine or platform.machine()).lower() in ("x86_64", "amd64", "i686")
+    return [*CFLAGS, *(isa.cflags if x86 else ())]
+
+
+def module_name(isa: Isa) -> str:
+    return f"{NAME}_{isa.name}"
+
+
+def prebuilt_name(isa: Isa) -> str:
+    return f"{PREBUILT_NAME}_{isa.name}"
+
+
+def fingerprint(torch_version: str, isa: Isa, directory: Path = HERE, features: list[str] | None = None) -> str:
+    """sha256 over sources, headers, the path and its flags, torch version and CPU features (hex, 64 characters)."""
     digest = hashlib.sha256()
     for path in sources(directory) + headers(directory):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in [*CFLAGS, "|", *LDFLAGS, "|", torch_version, "|", *(cpu_features() if features is None else features)]:
+    cpu = cpu_features() if features is None else features
+    for part in [isa.name, "|", *cflags(isa), "|", *LDFLAGS, "|", torch_version, "|", *cpu]:
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()
 
