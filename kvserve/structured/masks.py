@@ -31,8 +31,15 @@ def _worker() -> ThreadPoolExecutor:
 
 # Read as bytes, word w's byte b holds tokens 32w + 8b .. 32w + 8b + 7 only where words are little-endian.
 assert sys.byteorder == "little", "grammar masks are read as little-endian int32 words"
-# Row v: the additive mask of the 8 tokens of a mask byte of value v (bit k set: token k allowed, 0).
-_PENALTY_OF_BYTE = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+
+
+@cache
+def _penalty_of_byte() -> torch.Tensor:
+    """Row v: the additive mask of the 8 tokens of a mask byte of value v (bit k set: token k allowed, 0).
+    Built on first use, not at import: a forced CPU path (kernels/cpu/isa.py) must cap torch's ops
+    before any of them runs."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf"))
 
 
 def compute_masks(matchers: list[llguidance.LLMatcher], vocab: int) -> torch.Tensor:
@@ -73,7 +80,7 @@ def grammar_penalties(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, words] int32 packed masks -> [rows, vocab] float32, 0 where a token is allowed and -inf where
     not; a token past the mask's width (a model vocabulary wider than the tokenizer's) is never allowed."""
     mask_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
-    penalties = _PENALTY_OF_BYTE.index_select(0, mask_bytes).reshape(bitmask.shape[0], -1)
+    penalties = _penalty_of_byte().index_select(0, mask_bytes).reshape(bitmask.shape[0], -1)
     if penalties.shape[1] >= vocab:
         return penalties[:, :vocab]
     return torch.nn.functional.pad(penalties, (0, vocab - penalties.shape[1]), value=float("-inf"))
