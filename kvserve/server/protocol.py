@@ -133,19 +133,14 @@ class _SamplingFields(BaseModel):
 
     def structured_output(self) -> StructuredOutput | None:
         """The one constraint the request sets, if any; ValueError when it sets several or a bad one."""
-        found: list[tuple[str, StructuredOutput]] = []
+        found: list[StructuredOutput] = []  # each names the field it came from
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
-            found.append(("response_format", StructuredOutput("json_object", field="response_format")))
+            found.append(StructuredOutput("json_object", field="response_format"))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise ValueError("response_format.json_schema is required when type is 'json_schema'")
-            found.append(
-                (
-                    "response_format",
-                    StructuredOutput("json_schema", fmt.json_schema.schema_, "response_format.json_schema"),
-                )
-            )
+            found.append(StructuredOutput("json_schema", fmt.json_schema.schema_, "response_format"))
         so = self.structured_outputs
         candidates = [
             ("guided_json", "json_schema", self.guided_json),
@@ -160,16 +155,16 @@ class _SamplingFields(BaseModel):
         for name, kind, spec in candidates:
             if spec is not None:
                 value = _json_spec(name, spec) if kind == "json_schema" else spec  # type: ignore[arg-type]
-                found.append((name, StructuredOutput(kind, value, name)))
+                found.append(StructuredOutput(kind, value, name))
         if so is not None and so.json_object:
-            found.append(
-                ("structured_outputs.json_object", StructuredOutput("json_object", field="structured_outputs"))
-            )
+            found.append(StructuredOutput("json_object", field="structured_outputs.json_object"))
         if len(found) > 1:
-            raise ValueError(f"set at most one structured output constraint, got {', '.join(n for n, _ in found)}")
-        if found and found[0][1].kind == "choice" and not found[0][1].spec:
-            raise ValueError(f"{found[0][0]} must list at least one choice")
-        return found[0][1] if found else None
+            raise ValueError(
+                f"set at most one structured output constraint, got {', '.join(str(s.field) for s in found)}"
+            )
+        if found and found[0].kind == "choice" and not found[0].spec:
+            raise ValueError(f"{found[0].field} must list at least one choice")
+        return found[0] if found else None
 
     @property
     def include_usage(self) -> bool:
