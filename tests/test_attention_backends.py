@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.config import BACKEND_NAMES
 from kvserve.kernels import backends
 from kvserve.kernels.attention import tiled_attention
 from kvserve.kernels.attention_cpu import cpu_attention
@@ -83,3 +84,7 @@ def test_unknown_backend_names_the_field() -> None:
 def test_triton_needs_cuda() -> None:
     with pytest.raises(ValueError, match="attention_backend"):
         get_attention_backend("triton", "cpu")
+
+
+def test_every_configurable_backend_name_is_a_backend() -> None:
+    assert sorted(backends.BACKENDS) == sorted(BACKEND_NAMES)

@@ -47,7 +47,7 @@ BATCH = [*PROMPTS, "Once upon a time", "The three primary colors are", "import n
 def test_batched_decode_takes_the_compiled_step_where_linear_amx_runs(llm_bf16) -> None:
     """Five sequences decoding together are five rows: past the GEMV, so the compiled step runs only
     where every projection has AMX tiles, and then gives the Python loop's tokens."""
-    tiled = llm_bf16.engine.model.decode_layer_tiles is not None
+    tiled = llm_bf16.engine.model.compiled_decode.tiles is not None
     assert tiled == cpu.load().amx_available()
     try:
         compiled, ran = generate(llm_bf16, BATCH, compiled=True)
@@ -69,14 +69,14 @@ def test_a_step_with_a_prefill_chunk_runs_the_python_loop(llm_bf16) -> None:
 
 def test_float32_models_never_take_the_bf16_step(llm_fp32) -> None:
     assert llm_fp32.engine.model.dtype == torch.float32
-    assert llm_fp32.engine.model.decode_kernels is None
+    assert llm_fp32.engine.model.compiled_decode is None
 
 
 def test_speculative_verify_steps_take_the_compiled_step_and_give_the_same_tokens() -> None:
     """A verify step's rows (a few tokens per sequence) are decode rows of the compiled step; with AMX tiles
     every step after the prompts' prefill runs it, with the tokens of the Python loop."""
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative={"method": "ngram", "num_tokens": 4})
-    if llm.engine.model.decode_layer_tiles is None:
+    if llm.engine.model.compiled_decode.tiles is None:
         pytest.skip("verify steps of several rows take the compiled step only with AMX tiles")
     repetitive = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "the cat sat on the mat, the cat sat on the mat,"]
     steps_before = llm.engine.stats()["steps"]

@@ -93,7 +93,7 @@ def test_random_interleavings_keep_the_pool_consistent(scenario: Scenario) -> No
     added = 0
     for op in scenario.ops:
         if isinstance(op, Add):
-            # Cut to what LLMEngine.validate_lengths accepts: one sample's whole length fits the pool.
+            # Cut to what InputProcessor.check_lengths accepts: one sample's whole length fits the pool.
             capacity = scenario.num_blocks * scenario.block_size
             max_tokens = min(op.max_tokens, capacity - 1)
             prompt = (scenario.prefixes[op.prefix] + op.suffix)[: capacity - max_tokens]

@@ -75,7 +75,7 @@ def test_the_quantization_is_in_the_fingerprint_and_the_model_facts(llm_fp32, ll
 def test_the_compiled_decode_step_takes_the_blocks_and_gives_the_python_loops_tokens(rows: int) -> None:
     """Without prefix caching, so that both runs prefill the same rows through the same kernels."""
     llm = LLM(quantization="auto", dtype="float32", enable_prefix_caching=False)
-    assert llm.engine.model.decode_block_types == [int(GGMLQuantizationType.Q4_1)] * 120
+    assert llm.engine.model.compiled_decode.block_types == [int(GGMLQuantizationType.Q4_1)] * 120
     try:
         compiled, ran = generate(llm, BATCH[:rows], compiled=True)
         python, ran_without = generate(llm, BATCH[:rows], compiled=False)

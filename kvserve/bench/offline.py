@@ -110,7 +110,7 @@ def replay_offline(
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay ``requests`` (sorted by arrival) through ``engine`` (default: ``make_engine(cfg)``).
     Returns records in workload order and the run's meta description."""
-    from kvserve.engine.engine import QueueFullError
+    from kvserve.engine.input_processor import QueueFullError
 
     engine = engine or make_engine(cfg)
     _run_warmup(engine, cfg)

@@ -1,7 +1,10 @@
 """LLMEngine: add requests, run one iteration per `step()`, abort; the core every front end drives.
 
-One step = schedule (scheduler.py) -> one forward pass (runner.py) -> sample or verify drafts ->
-append tokens, detokenize, check stops -> free the blocks of finished sequences at once.
+One step, in phases (`step`): plan drafts (spec/) -> schedule (scheduler.py) -> one forward pass
+(runner.py) -> account what it computed -> sample (sampler.py) or verify drafts (spec/) -> emit: append
+tokens, detokenize, check stops, free the blocks of finished sequences at once. A phase that fails fails
+the requests it served, never the engine. A request's input is admitted by input_processor.py; the device,
+dtype and weight format come from platform.py.
 """
 
 from __future__ import annotations
@@ -10,18 +13,20 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Sequence as Seq
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.host_memory import keep_freed_memory, return_freed_memory
+from kvserve.engine.input_processor import InputProcessor, Prompt, QueueFullError
 from kvserve.engine.logits_processors import process_logits
 from kvserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from kvserve.engine.platform import keeps_quantized, resolve_device, resolve_dtype
 from kvserve.engine.prefix_cache import CacheKey
 from kvserve.engine.runner import KVCache, ModelRunner, spans_of
 from kvserve.engine.sampler import sample_rows, token_logprobs
@@ -32,10 +37,7 @@ from kvserve.engine.step_trace import StepTrace, work_of
 from kvserve.engine.stop_checker import append_token
 from kvserve.intmath import div_ceil
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
-from kvserve.kernels.cpu import isa as cpu_isa
-from kvserve.model import linear
 from kvserve.model.llama import LlamaModel
-from kvserve.model.quantized_linear import quantized_kernels
 from kvserve.model.registry import load_model
 from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
@@ -47,47 +49,15 @@ logger = logging.getLogger(__name__)
 _DRAFT_SLOT = -1
 
 
-# A prompt as text or as token ids.
-Prompt = str | Seq[int]
+# One sequence's tokens of this step (one sampled, or a verification's accepted drafts and its correction)
+# with their logprobs where asked for.
+Emission = tuple[Sequence, list[int], list | None]
 
 
-class QueueFullError(RuntimeError):
-    """The waiting queue holds max_waiting_requests already; the caller should retry later."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device is 'cuda' but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "float32":
-        return torch.float32
-    if name == "bfloat16":
-        return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16 if bf16_pays_on_cpu() else torch.float32
-
-
-def bf16_pays_on_cpu() -> bool:
-    """Whether bf16 runs at least as fast as float32 here. With native support (AVX512-BF16 / AMX) it is
-    faster everywhere. Without it, on AVX2 CPUs, kvserve's GEMV decodes batch 1 reading half the bytes
-    and oneDNN multiplies batches over the weights widened to float32, at float32's speed; bf16 also
-    halves the KV cache. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules"."""
-    if torch.backends.mkldnn.is_available() and _cpu_has_bf16():
-        return True
-    return linear.gemv_kernels() is not None and linear.onednn_packing_works(torch.float32)
-
-
-def _cpu_has_bf16() -> bool:
-    """Native bf16 products on the selected instruction-set path: a forced lower path (KVSERVE_CPU_ISA)
-    decides as a CPU without them would."""
-    return cpu_isa.selected().bf16
+class ForwardResult(NamedTuple):
+    logits: torch.Tensor  # [rows, vocab]: the scheduled items' logits rows, in schedule order
+    grammar_masks: Future[dict[int, torch.Tensor]] | None  # computing while the pass ran
+    proposals: dict[int, Proposal]  # seq_id -> the drafts the pass verifies
 
 
 @dataclass
@@ -119,8 +89,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        keep_quantized = self._keep_quantized(config.quantization)
-        weights = loaded.load_weights(self.dtype, keep_quantized)
+        weights = loaded.load_weights(self.dtype, keeps_quantized(config.quantization, self.device))
         self.model = LlamaModel(mcfg, weights, self.dtype, self.device, self.max_model_len)
         # Which matrices run from GGUF blocks ("none": all dequantized); the same file quantized or not
         # computes different values, so the prefix cache must not share blocks between the two.
@@ -140,16 +109,15 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         # The most tokens (prompt + output) one sequence can hold: the context, and the whole KV pool.
         self.max_sequence_len = min(self.max_model_len, num_blocks * block_size)
-        # Decode-only steps have at most max_num_seqs rows (without drafts, which turn row blocks off): past
-        # AMX_MAX_ROWS they leave linear_amx, and its row blocks stop mattering.
-        row_block = self.model.product_row_block if config.max_num_seqs <= linear.AMX_MAX_ROWS else None
+        self.inputs = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, num_blocks, config)
+        # Decode-only steps have at most max_num_seqs rows (drafts turn row blocks off).
         self.scheduler = Scheduler(
             self.pool,
             block_size,
             config.max_num_batched_tokens,
             config.max_num_seqs,
             config.enable_chunked_prefill,
-            row_block,
+            self.model.row_block(config.max_num_seqs),
         )
         self.attention_backend = (
             default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend
@@ -164,15 +132,6 @@ class LLMEngine:
         self.counters = EngineCounters()
         # Set by whoever wants a record of every step (the server's live view): step_trace.py.
         self.step_trace: StepTrace | None = None
-
-    def _keep_quantized(self, quantization: str) -> bool:
-        """Whether GGUF weights stay in their blocks: `--quantization auto` where the quantized kernels run."""
-        if quantization == "none":
-            return False
-        if self.device.type == "cpu" and quantized_kernels() is not None:
-            return True
-        logger.warning("--quantization auto: no quantized kernels on %s here; every weight is dequantized", self.device)
-        return False
 
     # ---- requests ----
     def add_request(
@@ -189,9 +148,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        self.validate_lengths(len(prompt_ids), params)
-        self._validate_token_ids(params)
+        prompt_text, prompt_ids = self.inputs.process(prompt, params)
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting_requests} requests)")
         request = Request(
@@ -210,45 +167,6 @@ class LLMEngine:
         self._order += 1
         self.requests[request_id] = request
         self.scheduler.add(first)
-
-    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
-
-    def validate_lengths(self, prompt_len: int, params: SamplingParams) -> None:
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {prompt_len} tokens; the model's context (max_model_len) is {self.max_model_len}, "
-                "which must also leave room for at least one output token"
-            )
-        if prompt_len + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} with a {prompt_len}-token prompt exceeds the model's context "
-                f"of {self.max_model_len} tokens"
-            )
-        limit = min(self.config.max_n, self.config.max_num_seqs)
-        if params.n > limit:
-            raise ValueError(f"n must be at most {limit} (max_n, max_num_seqs), got {params.n}")
-        blocks = div_ceil(prompt_len + params.max_tokens, self.config.block_size)
-        if blocks > self.pool.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {blocks} KV blocks but the pool has only {self.pool.num_blocks}"
-            )
-
-    def _validate_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model.config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} names a token id outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output, or None if unknown."""
@@ -277,16 +195,41 @@ class LLMEngine:
 
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:
+        """One iteration in phases: plan drafts, schedule, forward, account, sample, verify, emit. A phase
+        that fails fails only the requests it served. Returns the output of every request the step touched."""
         began_wall, began = time.time(), time.perf_counter()
         proposals = self._plan_speculation()
-        grammar_masks = None
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        touched: dict[str, Request] = {}  # request id -> request, in the order the step touched them
+        forward = self._forward(sched, proposals, touched)
+        if forward is None:
+            return self._outputs_of(touched)
+        self._count_step(sched)
+        trace = self.step_trace
+        work = work_of(sched) if trace is not None else []
+        jobs, verifications = self._account(sched, forward.logits)
+        emissions = self._sample(jobs, forward, touched)
+        accepted: dict[tuple[str, int], int] = {}  # (request id, sample) -> drafts kept, for the trace
+        emissions += self._verify(verifications, forward.proposals, touched, accepted)
+        self._emit_all(emissions, touched)
+        if verifications:
+            self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
+        if trace is not None:
+            trace.record(self, work, accepted, began_wall, began, touched.values())
+        return self._outputs_of(touched)
+
+    def _forward(
+        self, sched: SchedulerOutput, proposals: dict[int, Proposal], touched: dict[str, Request]
+    ) -> ForwardResult | None:
+        """Copy blocks, draft, start the grammar masks and run the forward pass; None when it failed, which
+        fails every scheduled request (into `touched`), not the engine."""
         start = time.perf_counter()
         for item in sched.scheduled:
             if item.seq.request.metrics.first_scheduled_time is None:
                 item.seq.request.metrics.first_scheduled_time = start
+        grammar_masks = None
         try:
             self.cache.copy_blocks(sched.block_copies)
             if self.draft is not None:
@@ -299,19 +242,23 @@ class LLMEngine:
             logits = self.runner.execute(spans)
             if self.draft is not None:
                 self.draft.observe(spans)
-        except Exception as exc:  # a failing batch fails its requests, not the engine
+        except Exception as exc:
             logger.exception("forward pass failed")
             if grammar_masks is not None:
                 futures.wait([grammar_masks])  # its matchers are not touched while it runs
-            return [self._fail(item.seq.request, exc) for item in sched.scheduled]
+            self._fail_all([item.seq for item in sched.scheduled], exc, touched)
+            return None
         if self.speculator is not None:
             self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
-        self._count_step(sched)
-        trace = self.step_trace
-        work = work_of(sched) if trace is not None else []
+        return ForwardResult(logits, grammar_masks, proposals)
 
-        jobs: list[tuple[Sequence, int]] = []  # (sequence, logits row) to sample
-        verifications: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, its k+1 logits rows)
+    def _account(
+        self, sched: SchedulerOutput, logits: torch.Tensor
+    ) -> tuple[list[tuple[Sequence, int]], list[tuple[Sequence, torch.Tensor]]]:
+        """Advance each sequence past what the pass computed; returns the (sequence, logits row) pairs to
+        sample and the (sequence, its k+1 logits rows) pairs whose drafts to verify."""
+        jobs: list[tuple[Sequence, int]] = []
+        verifications: list[tuple[Sequence, torch.Tensor]] = []
         row = 0
         for item in sched.scheduled:
             seq = item.seq
@@ -329,46 +276,68 @@ class LLMEngine:
                     jobs.extend(self._sampling_jobs(item, row))
             row += item.num_logits
         self.scheduler.register_computed_blocks(item.seq for item in sched.scheduled)
+        return jobs, verifications
 
-        touched: dict[str, Request] = {}
-        accepted: dict[tuple[str, int], int] = {}  # (request id, sample) -> drafts kept, for the trace
-        emissions: list[tuple[Sequence, list[int], list | None]] = []
-        if jobs:
-            seqs = [s for s, _ in jobs]
-            try:
-                job_rows = [r for _, r in jobs]
-                in_order = job_rows == list(range(logits.shape[0]))  # the common case: no copy needed
-                selected = logits if in_order else logits.index_select(0, torch.tensor(job_rows, device=logits.device))
-                masks = grammar_masks.result() if grammar_masks is not None else None
-                processed = process_logits(selected, seqs, [self._eos_of(s) for s in seqs], masks)
-                tokens = sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs])
-                logprobs = self._logprobs(selected, tokens, seqs)
-            except Exception as exc:  # batched sampling failed: fail exactly the requests it served
-                logger.exception("sampling failed")
-                return [self._fail(s.request, exc) for s in seqs]
-            emissions.extend(
-                (seq, [token], [logprobs[i]] if logprobs else None)
-                for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
-            )
+    def _sample(
+        self, jobs: list[tuple[Sequence, int]], forward: ForwardResult, touched: dict[str, Request]
+    ) -> list[Emission]:
+        """One batched sampling of the jobs' rows; when it fails, it fails exactly the jobs' requests."""
+        if not jobs:
+            return []
+        seqs = [s for s, _ in jobs]
+        logits = forward.logits
+        try:
+            job_rows = [r for _, r in jobs]
+            in_order = job_rows == list(range(logits.shape[0]))  # the common case: no copy needed
+            selected = logits if in_order else logits.index_select(0, torch.tensor(job_rows, device=logits.device))
+            masks = forward.grammar_masks.result() if forward.grammar_masks is not None else None
+            processed = process_logits(selected, seqs, [self._eos_of(s) for s in seqs], masks)
+            tokens = sample_rows(processed, [s.params for s in seqs], [s.generator for s in seqs])
+            logprobs = self._logprobs(selected, tokens, seqs)
+        except Exception as exc:
+            logger.exception("sampling failed")
+            self._fail_all(seqs, exc, touched)
+            return []
+        return [
+            (seq, [token], [logprobs[i]] if logprobs else None)
+            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
+        ]
+
+    def _verify(
+        self,
+        verifications: list[tuple[Sequence, torch.Tensor]],
+        proposals: dict[int, Proposal],
+        touched: dict[str, Request],
+        accepted: dict[tuple[str, int], int],
+    ) -> list[Emission]:
+        """Verify each sequence's drafts against its rows; a failure fails that sequence's request only."""
+        emissions: list[Emission] = []
         for seq, rows in verifications:
             assert self.speculator is not None  # only a speculator puts draft tokens up for verification
             try:
                 emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
             except Exception as exc:
                 logger.exception("verification failed for request %s", seq.request.request_id)
-                touched[seq.request.request_id] = seq.request
-                self._fail(seq.request, exc)
+                self._fail_all([seq], exc, touched)
                 continue
             seq.num_computed_tokens += len(emitted) - 1
             accepted[seq.request.request_id, seq.index] = len(emitted) - 1
             seq.spec_tokens = []
             logprobs = self._logprobs(rows[: len(emitted)], emitted, [seq] * len(emitted))
             emissions.append((seq, emitted, logprobs))
+        if verifications:
+            assert self.speculator is not None
+            self.speculator.stats.steps += 1
+        return emissions
 
+    def _emit_all(self, emissions: list[Emission], touched: dict[str, Request]) -> None:
+        """Append each emission's tokens up to a stop; a failure fails that request only."""
         now = time.perf_counter()
         for seq, tokens, logprobs in emissions:
             request = seq.request
             touched[request.request_id] = request
+            if seq.is_finished:  # its request failed in an earlier phase of this step
+                continue
             try:
                 for i, token in enumerate(tokens):
                     if self._emit(seq, token, now, logprobs[i] if logprobs else None):
@@ -378,13 +347,14 @@ class LLMEngine:
             except Exception as exc:
                 logger.exception("request %s failed while processing its output", request.request_id)
                 self._fail(request, exc)
-        if verifications:
-            assert self.speculator is not None
-            self.speculator.stats.steps += 1
-            self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
-        if trace is not None:
-            trace.record(self, work, accepted, began_wall, began, touched.values())
-        return [self._output_of(request) for request in touched.values()]
+
+    def _fail_all(self, seqs: list[Sequence], exc: Exception, touched: dict[str, Request]) -> None:
+        """Fail each of the sequences' requests once (a request's samples share its fate)."""
+        for seq in seqs:
+            request = seq.request
+            touched[request.request_id] = request
+            if request.error is None:
+                self._fail(request, exc)
 
     def _count_step(self, sched: SchedulerOutput) -> None:
         counters = self.counters
@@ -510,18 +480,20 @@ class LLMEngine:
     def _eos_of(self, seq: Sequence) -> list[int]:
         return [] if seq.params.ignore_eos else self.tokenizer.stop_token_ids
 
-    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+    def _fail(self, request: Request, exc: Exception) -> None:
         request.error = f"{type(exc).__name__}: {exc}"
         self._close_request(request, "error")
         self.counters.requests_failed += 1
         self.requests.pop(request.request_id, None)
-        return request.to_output()
 
-    def _output_of(self, request: Request) -> RequestOutput:
-        output = request.to_output()
-        if request.finished:
-            self.requests.pop(request.request_id, None)
-        return output
+    def _outputs_of(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """Each touched request's output; finished requests leave the engine."""
+        outputs = []
+        for request in touched.values():
+            outputs.append(request.to_output())
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+        return outputs
 
     # ---- observability ----
     def stats(self) -> dict[str, float | int | str]:

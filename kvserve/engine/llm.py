@@ -6,7 +6,8 @@ from collections.abc import Sequence as Seq
 from typing import Any, cast
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, Prompt
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.input_processor import Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper

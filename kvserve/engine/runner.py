@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.kernels.backends import runs_compiled_decode
-from kvserve.kernels.metadata import AttentionFn, AttentionMetadata
+from kvserve.kernels.backends import AttentionBackend
+from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.huge_pages import empty_on_huge_pages
 from kvserve.model.llama import LlamaModel
 
@@ -67,11 +67,13 @@ def spans_of(sched: SchedulerOutput) -> list[Span]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, attention: AttentionFn) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, attention: AttentionBackend) -> None:
         self.model = model
         self.cache = cache
         self.attention = attention
-        self.compiled_decode = runs_compiled_decode(attention)
+        # Whether steps of decode rows may run as one compiled call (LlamaModel.forward); tests turn it off
+        # to compare with the Python loop.
+        self.compiled_decode = attention.compiled_decode
 
     def execute(self, spans: list[Span], num_layers: int | None = None) -> torch.Tensor:
         """Forward pass over the spans; logits [rows, vocab] in the model dtype (rows in span order)."""
@@ -110,7 +112,7 @@ class ModelRunner:
             meta,
             self.attention,
             num_layers=num_layers,
-            compiled_decode=self.compiled_decode,
+            compiled_decode=self.compiled_decode and self.attention.decode_kernel_takes_every_row(meta),
         )
         if not logit_rows:
             return hidden.new_empty((0, self.model.config.vocab_size))  # the model dtype, as logits() gives

@@ -70,8 +70,8 @@ class Scheduler:
         # Keep a reserve of free blocks so admissions do not immediately force preemptions.
         self.watermark_blocks = max(1, pool.num_blocks // 100)
         self.num_preemptions = 0
-        # Rows the forward pass computes in whole blocks of (linear_amx's 32: kvserve/model/linear.py), or
-        # None where a step's cost follows its row count (_defer_partial_row_block).
+        # The model's hint (LlamaModel.row_block): the multiple of rows the forward pass computes in whole
+        # blocks of, or None where a step's cost follows its row count (_defer_partial_row_block).
         self.row_block = row_block
         self.num_passes = 0  # schedule() calls so far
         self.num_row_block_deferrals = 0  # decode tokens postponed a step by _defer_partial_row_block
@@ -167,7 +167,7 @@ class Scheduler:
         """Leave a decode-only step's rows past its last whole row block for the next step, when they
         are at most a quarter of a block (or one row).
 
-        linear_amx pays for a partial last block of rows as for a full one, so 100 one-token decodes
+        A pass in row blocks (linear_amx's) pays for a partial last block as for a full one, so 100 one-token decodes
         cost a step as long as 128 would. Measured, a step with a few rows past a whole block gives fewer
         tokens per second than the step at the block; past a quarter of a block the difference is within
         the noise, so a quarter of a block is where leaving rows out stops paying (figures:

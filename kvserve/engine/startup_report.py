@@ -19,6 +19,7 @@ import torch
 from kvserve.intmath import div_ceil
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
+from kvserve.model.compiled_decode import torch_path_reasons
 from kvserve.model.registry import load_model, resolve
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def engine_report(engine: LLMEngine) -> StartupReport:
     report.add("cpu path", kernels.isa.describe())
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "the CPU's best")
     report.add("torch cpu ops", f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN up to {onednn}")
-    report.add("compiled decode step", "yes" if engine.runner.compiled_decode else "no")
+    report.add("compiled decode step", compiled_decode_summary(engine))
     features = set(build_config.cpu_features())
     report.add("cpu features", " ".join(f for f in RELEVANT_CPU_FEATURES if f in features) or "none of interest")
     block_size, num_blocks = engine.cache.block_size, engine.pool.num_blocks
@@ -81,6 +82,18 @@ def engine_report(engine: LLMEngine) -> StartupReport:
     report.add("chunked prefill", "on" if config.enable_chunked_prefill else "off")
     report.add("speculative", json.dumps(config.speculative) if config.speculative else "off")
     return report
+
+
+def compiled_decode_summary(engine: LLMEngine) -> str:
+    """Whether steps of decode rows run as one compiled call, and if not, why."""
+    reasons = torch_path_reasons(engine.model.config)
+    if reasons:
+        return "no: " + "; ".join(reasons)
+    if engine.model.compiled_decode is None:
+        return f"no: no compiled step for {str(engine.dtype).removeprefix('torch.')} weights of this format here"
+    if not engine.runner.compiled_decode:
+        return f"no: attention backend {engine.attention_backend} does not run decode rows on the compiled kernel"
+    return "yes"
 
 
 def process_age_s() -> float:

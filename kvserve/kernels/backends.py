@@ -1,16 +1,19 @@
 """Attention backends by name: every one computes the same function, (q, k_cache, v_cache, meta, scale,
-window=None) -> out, and is chosen by the engine's `attention_backend` config field."""
+window=None) -> out, is chosen by the engine's `attention_backend` config field, and declares what it
+supports (AttentionBackend)."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from kvserve.config import BACKEND_NAMES
 from kvserve.kernels import cpu
-from kvserve.kernels.attention import tiled_attention
+from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN, tiled_attention
 from kvserve.kernels.attention_cpu import cpu_attention
 from kvserve.kernels.attention_ref import paged_reference_attention
 from kvserve.kernels.attention_sdpa import sdpa_attention
@@ -47,40 +50,68 @@ def auto_cpu_attention(
     return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
 
 
-def runs_compiled_decode(attention: AttentionFn) -> bool:
-    """Whether `attention` sends every decode row to the compiled CPU kernel, so a model may run a
-    small decode step as one compiled call (LlamaModel.forward's `compiled_decode`)."""
-    return attention in (cpu_attention, auto_cpu_attention) and cpu.load() is not None
+@dataclass(frozen=True)
+class AttentionBackend:
+    """An attention implementation and what it supports, so that callers ask it rather than recognise it.
+
+    Called like the function it wraps: (q, k_cache, v_cache, meta, scale, window=None) -> output rows."""
+
+    name: str
+    attend: AttentionFn | None  # None until get_attention_backend checked that it can run here (triton)
+    windows: bool  # computes sliding-window layers (the `window` argument)
+    # Sends every decode row (query length <= DECODE_MAX_QUERY_LEN) to the compiled CPU decode kernel where
+    # the kernels built, so a step made only of decode rows may run as one compiled call (compiled_decode.py).
+    decode_rows_on_cpu_kernel: bool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert self.attend is not None, "get_attention_backend returns backends that can run"
+        return self.attend(*args, **kwargs)
+
+    @property
+    def compiled_decode(self) -> bool:
+        return self.decode_rows_on_cpu_kernel and cpu.load() is not None
+
+    def decode_kernel_takes_every_row(self, meta: AttentionMetadata) -> bool:
+        """Whether this batch's every row goes to the compiled decode kernel (see `compiled_decode`)."""
+        return self.compiled_decode and meta.max_query_len <= DECODE_MAX_QUERY_LEN
 
 
-def get_attention_backend(name: str, device: torch.device | str, windowed: bool = False) -> AttentionFn:
-    """The backend `name`; `windowed`: the model has sliding-window layers."""
-    if windowed and name == "triton":
+BACKENDS = {
+    backend.name: backend
+    for backend in (
+        AttentionBackend("auto_cpu", auto_cpu_attention, windows=True, decode_rows_on_cpu_kernel=True),
+        AttentionBackend("cpu", cpu_attention, windows=True, decode_rows_on_cpu_kernel=True),
+        AttentionBackend("tiled", tiled_attention, windows=True, decode_rows_on_cpu_kernel=False),
+        AttentionBackend("sdpa", sdpa_attention, windows=True, decode_rows_on_cpu_kernel=False),
+        AttentionBackend("reference", paged_reference_attention, windows=True, decode_rows_on_cpu_kernel=False),
+        AttentionBackend("triton", None, windows=False, decode_rows_on_cpu_kernel=False),
+    )
+}
+
+
+def get_attention_backend(name: str, device: torch.device | str, windowed: bool = False) -> AttentionBackend:
+    """The backend `name`, checked to run here; `windowed`: the model has sliding-window layers, which the
+    backend must compute."""
+    backend = BACKENDS.get(name)
+    if backend is None:
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if windowed and not backend.windows:
+        computes = [n for n, b in BACKENDS.items() if b.windows]
         raise ValueError(
-            "attention_backend 'triton' has no sliding window yet; this model has sliding-window layers: "
-            "use one of 'sdpa', 'tiled', 'reference', 'cpu', 'auto_cpu'"
+            f"attention_backend {name!r} has no sliding window yet; this model has sliding-window layers: "
+            f"use one of {computes}"
         )
-    if windowed and name in ("cpu", "auto_cpu") and cpu.load() is not None:
+    if name == "cpu" and cpu.load() is None:
+        raise ValueError("attention_backend 'cpu' needs kvserve's compiled CPU kernels, which failed to build")
+    if windowed and backend.compiled_decode:
         logger.warning("sliding-window layers run attention on torch ops because the compiled CPU kernel has no window")
-    if name == "auto_cpu":
-        return auto_cpu_attention
-    if name == "tiled":
-        return tiled_attention
-    if name == "reference":
-        return paged_reference_attention
-    if name == "sdpa":
-        return sdpa_attention
-    if name == "cpu":
-        if cpu.load() is None:
-            raise ValueError("attention_backend 'cpu' needs kvserve's compiled CPU kernels, which failed to build")
-        return cpu_attention
     if name == "triton":
         if not triton_available(device):
             raise ValueError(f"attention_backend 'triton' needs CUDA and the triton package (device {device})")
         from kvserve.kernels.triton import triton_attention  # imports triton: only where it exists
 
-        return triton_attention
-    raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+        return replace(backend, attend=triton_attention)
+    return backend
 
 
 def default_attention_backend(device: torch.device | str) -> str:

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.metadata import AttentionFn, AttentionMetadata
+from kvserve.model.compiled_decode import CompiledDecodeStep, projection_weights, torch_path_reasons
 from kvserve.model.config import FULL, ModelConfig
 from kvserve.model.huge_pages import move_into_one_buffer
 from kvserve.model.layer_ops import gelu_tanh_mul, head_rms_norm, layer_ops_for, rms_norm
@@ -30,16 +30,11 @@ from kvserve.model.linear import (
 )
 from kvserve.model.progress import progress
 from kvserve.model.quantized import QuantizedTensor
-from kvserve.model.quantized_linear import QuantizedLinear, make_embedding, quantized_kernels
+from kvserve.model.quantized_linear import make_embedding
 from kvserve.model.rope import rope_tables
-from kvserve.model.weights import LayerWeights, ModelWeights, Weight
+from kvserve.model.weights import LayerWeights, ModelWeights
 
 logger = logging.getLogger(__name__)
-
-
-def projection_weights(layer: LayerWeights) -> tuple[Weight, ...]:
-    """A layer's four projections in the order a step runs them (and decode_layers takes them)."""
-    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
 class LayerLinears(NamedTuple):
@@ -47,24 +42,6 @@ class LayerLinears(NamedTuple):
     o_proj: LinearFn
     gated_up: LinearFn  # act(x @ gate^T) * (x @ up^T), from gate_up_proj
     down_proj: LinearFn
-
-
-# (q, k_cache, v_cache, meta, scale, window=None): window, where given, is how many keys (its own
-# included) a query sees; every backend in kernels/backends.py takes it.
-
-
-def torch_path_reasons(config: ModelConfig) -> list[str]:
-    """Why the compiled decode step (kernels/cpu/decode_layers.cpp: the plain Llama layer) cannot run
-    this model; empty where it can."""
-    reasons = [
-        "its q/k/v projections have a bias" if config.attention_bias else "",
-        "it normalizes q and k heads" if config.qk_norm else "",
-        "it has norms after attention and MLP" if config.sandwich_norms else "",
-        f"its MLP gates with {config.activation}" if config.activation != "silu" else "",
-        "it has sliding-window layers" if config.has_windows else "",
-        "its layers use different RoPE bases" if config.sliding_rope_theta is not None else "",
-    ]
-    return [r for r in reasons if r]
 
 
 class LlamaModel:
@@ -107,44 +84,22 @@ class LlamaModel:
         self.layer_rope = [tables[config.layer_type(i)] for i in range(config.num_layers)]
         self.layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.embedding_scale = config.embedding_scale
-        # The compiled decode step (kernels/cpu/decode_layers.cpp) runs the plain Llama layer and needs
-        # every linear to be a bf16 KernelLinear, or every linear a QuantizedLinear (any dtype); it takes
-        # each layer's tensors in this order (a quantized one as its blocks, with the block types), and
-        # their AMX tiles where every projection has them. It then takes up to AMX_MAX_ROWS rows
-        # (quant_linear takes any number; the one limit keeps the step's cost model), else the GEMV's few.
+        self.scale = config.softmax_scale
+        # One C++ call for a step of decode rows where the kernels run this model (compiled_decode.py).
+        self.compiled_decode = CompiledDecodeStep.for_model(self)
         reasons = torch_path_reasons(config)
-        projections = [(lin.qkv_proj, lin.o_proj, lin.gated_up, lin.down_proj) for lin in self.linears]
-        all_quantized = all(isinstance(p, QuantizedLinear) for layer in projections for p in layer)
-        self.decode_kernels = None
-        if device.type == "cpu" and not reasons and all_quantized:
-            self.decode_kernels = quantized_kernels()
-        elif device.type == "cpu" and not reasons and dtype == torch.bfloat16 and not self.quantized:
-            self.decode_kernels = gemv_kernels()
         if reasons and dtype == torch.bfloat16 and device.type == "cpu" and gemv_kernels() is not None:
             logger.warning("%s decode steps run on torch ops because %s", config.family, "; ".join(reasons))
-        self.decode_layer_tensors = [
-            (*(w.blocks if isinstance(w, QuantizedTensor) else w for w in projection_weights(layer)), *norms)
-            for layer, norms in zip(self.weights.layers, self.norms, strict=True)
-        ]
-        self.decode_block_types = [
-            int(p.weight.qtype) for layer in projections for p in layer if isinstance(p, QuantizedLinear)
-        ]
-        tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
-        all_tiled = all(t is not None for layer in tiles for t in layer)
-        self.decode_layer_tiles = tiles if all_tiled else None
-        self.compiled_decode_max_rows = (
-            0
-            if self.decode_kernels is None
-            else AMX_MAX_ROWS
-            if all_tiled or all_quantized
-            else self.decode_kernels.GEMV_MAX_ROWS
-        )
-        # Steps of 3 to AMX_MAX_ROWS rows pay for their rows in whole blocks of this many where every product,
-        # the LM head's too, runs on linear_amx (the scheduler's row_block); None where the cost follows the rows.
-        lm_head_tiled = isinstance(self.lm_head, KernelLinear) and self.lm_head.tiles is not None
-        self.product_row_block = AMX_ROW_BLOCK if all_tiled and lm_head_tiled else None
-        self.scale = config.softmax_scale
+        # Where every product, the LM head's too, runs on linear_amx, a step of 3 to AMX_MAX_ROWS rows pays
+        # for its rows in whole blocks of AMX_ROW_BLOCK (the scheduler's row_block).
+        products = [p for layer in self.linears for p in layer] + [self.lm_head]
+        self.tiled = all(isinstance(p, KernelLinear) and p.tiles is not None for p in products)
         self.q_size = config.num_heads * config.head_dim
+
+    def row_block(self, max_rows: int) -> int | None:
+        """The row multiple a decode-only step of up to `max_rows` rows should be cut to (the scheduler's
+        row_block): AMX_ROW_BLOCK where its products run on linear_amx, None where cost follows the rows."""
+        return AMX_ROW_BLOCK if self.tiled and max_rows <= AMX_MAX_ROWS else None
 
     def _gated_up(self, layer: LayerWeights) -> LinearFn:
         if self.config.activation == "silu":
@@ -181,8 +136,9 @@ class LlamaModel:
         compiled_decode: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden]. `num_layers` < all runs a truncated (self-draft) model.
-        `compiled_decode`: `attention` is the CPU decode kernel's backend, so a step of at most
-        compiled_decode_max_rows tokens where every sequence is a decode row may run as one compiled call."""
+        `compiled_decode`: `attention` sends every row of this step to the compiled CPU decode kernel
+        (AttentionBackend.decode_kernel_takes_every_row), so a step of at most the compiled step's max_rows
+        may run as one compiled call (compiled_decode.py)."""
         cfg, ops, eps = self.config, self.ops, self.config.rms_norm_eps
         layers = list(zip(self.linears, self.norms, strict=True))[:num_layers]
         t = input_ids.shape[0]
@@ -191,21 +147,9 @@ class LlamaModel:
         h = self.embed(input_ids)
         if self.embedding_scale is not None:
             h.mul_(torch.tensor(self.embedding_scale, dtype=torch.float32))
-        kernels = self.decode_kernels
-        if (
-            compiled_decode
-            and kernels is not None
-            and t <= self.compiled_decode_max_rows
-            and max(meta.query_lens_host) <= DECODE_MAX_QUERY_LEN  # every row on the decode kernel
-        ):
-            tiles = [] if self.decode_layer_tiles is None else self.decode_layer_tiles[: len(layers)]
-            return kernels.decode_layers(
-                h, [tensor for group in self.decode_layer_tensors[: len(layers)] for tensor in group],
-                [tensor for group in tiles for tensor in group], self.decode_block_types[: 4 * len(layers)],
-                self.final_norm, eps, positions, self.rope_cos, self.rope_sin, kv_cache, slot_mapping,
-                meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), self.scale,
-                cfg.num_heads, cfg.num_kv_heads,
-            )  # fmt: skip
+        step = self.compiled_decode
+        if compiled_decode and step is not None and t <= step.max_rows:
+            return step.run(h, positions, kv_cache, slot_mapping, meta, len(layers))
         x = ops.add_rms_norm(h, None, layers[0][1][0], eps, self.dtype)
         k_caches, v_caches = (kind.unbind(0) for kind in kv_cache.unbind(1))  # per-layer views, 3 calls
         for index, (linear, (_, mlp_norm)) in enumerate(layers):

@@ -26,7 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvserve.engine.engine import LLMEngine, Prompt
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.input_processor import Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper

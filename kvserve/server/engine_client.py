@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvserve.engine.engine import Prompt
+from kvserve.engine.input_processor import Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper

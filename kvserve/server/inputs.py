@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from kvserve.engine.engine import Prompt
+from kvserve.engine.input_processor import Prompt
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.model.tokenizer import TokenizerWrapper
 from kvserve.server.limits import FieldError, RequestLimits, param_of, request_texts

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
-from kvserve.engine.engine import Prompt
+from kvserve.engine.input_processor import Prompt
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
-from kvserve.engine.engine import QueueFullError
+from kvserve.engine.input_processor import QueueFullError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.auth import BearerAuth
 from kvserve.server.body_limit import BodyLimit

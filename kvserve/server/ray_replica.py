@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
-from kvserve.engine.engine import LLMEngine, Prompt, QueueFullError
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.input_processor import Prompt, QueueFullError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.async_engine import AsyncEngine

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from kvserve.engine.engine import Prompt
+from kvserve.engine.input_processor import Prompt
 from kvserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server.protocol import ErrorDetail, ErrorResponse, PromptTokensDetails, Usage
