@@ -190,6 +190,45 @@ def test_rate_and_size_are_bounded_and_every_step_is_sent_or_counted(served: Ser
     assert len(trace.since(0)) == trace.capacity < produced
 
 
+def test_a_subscriber_may_ask_for_fewer_events_never_more(served: Served) -> None:
+    url = f"{served.url}/v1/engine/events"
+    assert httpx.get(url, params={"interval_ms": "500"}).status_code == 401, "the key first"
+    for asked in ("50", "99.9", "10001", "abc", "nan", "inf", ""):
+        refused = httpx.get(url, params={"interval_ms": asked}, headers=AUTH)
+        assert refused.status_code == 400, asked
+        assert (
+            refused.json()["error"]["param"] == "interval_ms"
+            and "from 100 to 10000" in refused.json()["error"]["message"]
+        )
+    assert served.events.subscribers == 0, "a refused request holds no subscription"
+
+    trace = served.engine.step_trace
+    produced = 60
+
+    def engine_thread() -> None:  # a step every 20 ms: the default interval would send ~12 events
+        for i in range(1, produced + 1):
+            trace.append(record(i))
+            time.sleep(0.02)
+
+    writer = threading.Thread(target=engine_thread)
+    received: list[dict[str, Any]] = []
+    with httpx.stream("GET", url, params={"interval_ms": "400"}, headers=AUTH, timeout=10) as response:
+        stream = events(response)
+        name, hello = next(stream)
+        assert name == "hello" and hello["interval_ms"] == 400
+        started = time.monotonic()
+        writer.start()
+        for name, payload in stream:
+            if name == "steps":
+                received.append(payload)
+                if payload["steps"][-1]["i"] == produced:
+                    break
+        elapsed = time.monotonic() - started
+    writer.join()
+    assert len(received) <= elapsed / 0.4 + 2, "at most one event per asked interval"
+    assert [s["i"] for p in received for s in p["steps"]] == list(range(1, produced + 1)), "no step lost"
+
+
 def test_subscribers_are_limited(served: Served) -> None:
     served.events.max_subscribers = 2
     with (
