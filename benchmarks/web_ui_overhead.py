@@ -174,7 +174,12 @@ def main() -> None:
                     row = run_once(url, args, seed)
                 row["wall_s"] = time.perf_counter() - started
                 rows.append({"round": round_index, "page": page, **row})
-                print(f"round {round_index} page {page:6s} {row['output_tok_s']:8.1f} tok/s", flush=True)
+                viewer_cpu = f", viewer {row['viewer_cpu_s']:.2f} CPU s" if page == "open" else ""
+                print(
+                    f"round {round_index} page {page:6s} {row['output_tok_s']:8.1f} tok/s in {row['wall_s']:.1f} s"
+                    f"{viewer_cpu}",
+                    flush=True,
+                )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
