@@ -10,47 +10,21 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
-from kvserve import EngineConfig
 from kvserve.cli import build_parser
-from kvserve.engine.step_trace import FinishedRequest, SeqWork, StepRecord, StepTrace
+from kvserve.engine.step_trace import FinishedRequest, SeqWork, StepRecord
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.engine_events import EngineEvents, short_id
 from kvserve.server.openai_api import build_app
-from kvserve.server.testing import ServerThread
+from kvserve.server.testing import ServerThread, StandInEngine
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-class StandInEngine:
-    """The parts of an LLMEngine that AsyncEngine and the web UI read; it never runs a step (the tests
-    append to its step ring as the engine thread would)."""
-
-    model_name = "stand-in-model"
-    max_model_len = 64
-    max_sequence_len = 64
-    quantization = "none"
-    # The app sizes its prompt-length limit from this when it is built; the stand-in serves no prompt.
-    tokenizer = SimpleNamespace(max_token_bytes=16)
-    speculator = None
-
-    def __init__(self) -> None:
-        self.config = EngineConfig()
-        self.pool = SimpleNamespace(num_blocks=100)
-        self.step_trace: StepTrace | None = None
-
-    def stats(self) -> dict[str, Any]:
-        return {"num_running": 1, "num_waiting": 2, "kv_blocks_total": 100, "steps": 0, "model": "stand-in"}
-
-    def has_unfinished_requests(self) -> bool:
-        return False
 
 
 def record(index: int, finished: tuple[FinishedRequest, ...] = ()) -> StepRecord:
