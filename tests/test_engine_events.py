@@ -10,47 +10,21 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 
-from kvserve import EngineConfig
 from kvserve.cli import build_parser
-from kvserve.engine.step_trace import FinishedRequest, SeqWork, StepRecord, StepTrace
+from kvserve.engine.step_trace import FinishedRequest, SeqWork, StepRecord
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.engine_events import EngineEvents, short_id
 from kvserve.server.openai_api import build_app
-from kvserve.server.testing import ServerThread
+from kvserve.server.testing import ServerThread, StandInEngine
 
 KEY = "sesame"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-class StandInEngine:
-    """The parts of an LLMEngine that AsyncEngine and the web UI read; it never runs a step (the tests
-    append to its step ring as the engine thread would)."""
-
-    model_name = "stand-in-model"
-    max_model_len = 64
-    max_sequence_len = 64
-    quantization = "none"
-    # The app sizes its prompt-length limit from this when it is built; the stand-in serves no prompt.
-    tokenizer = SimpleNamespace(max_token_bytes=16)
-    speculator = None
-
-    def __init__(self) -> None:
-        self.config = EngineConfig()
-        self.pool = SimpleNamespace(num_blocks=100)
-        self.step_trace: StepTrace | None = None
-
-    def stats(self) -> dict[str, Any]:
-        return {"num_running": 1, "num_waiting": 2, "kv_blocks_total": 100, "steps": 0, "model": "stand-in"}
-
-    def has_unfinished_requests(self) -> bool:
-        return False
 
 
 def record(index: int, finished: tuple[FinishedRequest, ...] = ()) -> StepRecord:
@@ -188,6 +162,45 @@ def test_rate_and_size_are_bounded_and_every_step_is_sent_or_counted(served: Ser
         last = indices[-1]
     assert sum(p["dropped"] for p in received) > 0
     assert len(trace.since(0)) == trace.capacity < produced
+
+
+def test_a_subscriber_may_ask_for_fewer_events_never_more(served: Served) -> None:
+    url = f"{served.url}/v1/engine/events"
+    assert httpx.get(url, params={"interval_ms": "500"}).status_code == 401, "the key first"
+    for asked in ("50", "99.9", "10001", "abc", "nan", "inf", ""):
+        refused = httpx.get(url, params={"interval_ms": asked}, headers=AUTH)
+        assert refused.status_code == 400, asked
+        assert (
+            refused.json()["error"]["param"] == "interval_ms"
+            and "from 100 to 10000" in refused.json()["error"]["message"]
+        )
+    assert served.events.subscribers == 0, "a refused request holds no subscription"
+
+    trace = served.engine.step_trace
+    produced = 60
+
+    def engine_thread() -> None:  # a step every 20 ms: the default interval would send ~12 events
+        for i in range(1, produced + 1):
+            trace.append(record(i))
+            time.sleep(0.02)
+
+    writer = threading.Thread(target=engine_thread)
+    received: list[dict[str, Any]] = []
+    with httpx.stream("GET", url, params={"interval_ms": "400"}, headers=AUTH, timeout=10) as response:
+        stream = events(response)
+        name, hello = next(stream)
+        assert name == "hello" and hello["interval_ms"] == 400
+        started = time.monotonic()
+        writer.start()
+        for name, payload in stream:
+            if name == "steps":
+                received.append(payload)
+                if payload["steps"][-1]["i"] == produced:
+                    break
+        elapsed = time.monotonic() - started
+    writer.join()
+    assert len(received) <= elapsed / 0.4 + 2, "at most one event per asked interval"
+    assert [s["i"] for p in received for s in p["steps"]] == list(range(1, produced + 1)), "no step lost"
 
 
 def test_subscribers_are_limited(served: Served) -> None:

@@ -1,7 +1,8 @@
 """The web page in headless Chromium (Debian's `chromium`, driven by playwright) against a live
 `kvserve serve --api-key`: without the key the page gets no data; with it, a chat message streams its
 answer (the same text the API gives for the same greedy request), and the live view shows that
-request's iterations: its prefill tokens and decode steps, as its usage says."""
+request's iterations: its prefill tokens and decode steps, as its usage says; hidden, the page closes
+its feed, and opens a new one when shown."""
 
 from __future__ import annotations
 
@@ -125,5 +126,18 @@ def test_chat_streams_and_the_live_view_shows_its_iterations(server: str, browse
                    return n; }"""
     )
     assert decode_green > 0, "the timeline draws decode cells"
+
+    # Hidden, the page closes its feed (the browser aborts the stream); shown again, it opens a new one.
+    closed: list[str] = []
+    page.on("requestfailed", lambda r: closed.append(r.url) if "/v1/engine/events" in r.url else None)
+    set_hidden = """(hidden) => { Object.defineProperty(document, 'hidden', { value: hidden, configurable: true });
+                                 document.dispatchEvent(new Event('visibilitychange')); }"""
+    page.evaluate(set_hidden, True)
+    page.wait_for_selector('#feed-status:not(.on):text("paused")', timeout=5_000)
+    page.wait_for_timeout(500)
+    assert len(closed) == 1 and "interval_ms=500" in closed[0], closed
+    with page.expect_request(lambda r: "/v1/engine/events" in r.url, timeout=5_000):
+        page.evaluate(set_hidden, False)
+    page.wait_for_selector("#feed-status.on", timeout=5_000)
     assert errors == []
     page.close()

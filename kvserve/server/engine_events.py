@@ -2,8 +2,9 @@
 for the live view of the web page (docs/web-ui.md describes the events).
 
 Bounds, whatever the clients do:
-- rate: each subscriber gets at most `max_events_per_s` events a second; the steps run in between travel
-  together in one event, at most `max_steps_per_event` of them (the newest), the rest counted in `dropped`;
+- rate: each subscriber gets at most `max_events_per_s` events a second (it may ask for fewer with
+  `?interval_ms=N`, never for more); the steps run in between travel together in one event, at most
+  `max_steps_per_event` of them (the newest), the rest counted in `dropped`;
 - memory: the engine keeps only the ring's records; a subscriber holds no queue, it reads the ring when it
   is due to send, so a slow reader slows only itself (back-pressure from its socket);
 - subscribers: at most `max_subscribers` streams at once, more are answered 429;
@@ -40,6 +41,8 @@ STATS_KEYS = (
     "generated_tokens",
     "preemptions",
 )
+# The longest event interval a subscriber may ask for: a feed slower than this looks dead to a viewer.
+MAX_INTERVAL_MS = 10_000
 
 
 def short_id(request_id: str) -> str:
@@ -102,21 +105,42 @@ class EngineEvents:
         self.subscribers = 0  # changed on the server's event loop only
 
     def response(self, request: Request) -> SSEResponse:
+        interval_s = self._interval_s(request.query_params.get("interval_ms"))
         if self.subscribers >= self.max_subscribers:
             raise APIError(429, f"too many engine event subscribers (at most {self.max_subscribers}); retry later")
         self.subscribers += 1
-        return SSEResponse(self._events(request), on_close=self._unsubscribe)
+        return SSEResponse(self._events(request, interval_s), on_close=self._unsubscribe)
+
+    def _interval_s(self, asked_ms: str | None) -> float:
+        """The subscriber's event interval: the server's shortest unless it asks for a longer one (a
+        viewer that draws twice a second needs no more events than that: fewer, larger events cost
+        less to encode, send and parse)."""
+        if asked_ms is None:
+            return self.interval_s
+        shortest_ms = self.interval_s * 1000
+        try:
+            interval_ms = float(asked_ms)
+        except ValueError:
+            interval_ms = float("nan")
+        if not shortest_ms <= interval_ms <= MAX_INTERVAL_MS:  # NaN fails too
+            raise APIError(
+                400,
+                f"interval_ms must be a number of milliseconds from {shortest_ms:g} to {MAX_INTERVAL_MS}, "
+                f"got {asked_ms!r}",
+                param="interval_ms",
+            )
+        return interval_ms / 1000
 
     def _unsubscribe(self) -> None:
         self.subscribers -= 1
 
-    async def _events(self, request: Request) -> AsyncIterator[str]:
-        """hello, then every interval the steps since the last event (the newest steps still in the
+    async def _events(self, request: Request, interval_s: float) -> AsyncIterator[str]:
+        """hello, then every `interval_s` the steps since the last event (the newest steps still in the
         ring at first, so the view fills at once); a comment line when idle for keepalive_s."""
         loop = asyncio.get_running_loop()
         disconnected = asyncio.ensure_future(_disconnect(request))
         try:
-            yield _event("hello", {**self.info, "interval_ms": self.interval_s * 1000})
+            yield _event("hello", {**self.info, "interval_ms": interval_s * 1000})
             last_index = 0
             last_sent = loop.time()
             while True:
@@ -136,7 +160,7 @@ class EngineEvents:
                 elif loop.time() - last_sent >= self.keepalive_s:
                     yield ": keepalive\n\n"
                     last_sent = loop.time()
-                done, _ = await asyncio.wait({disconnected}, timeout=self.interval_s)
+                done, _ = await asyncio.wait({disconnected}, timeout=interval_s)
                 if done:
                     return
         finally:

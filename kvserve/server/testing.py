@@ -1,5 +1,5 @@
 """Run an app on a free local port in a background thread (tests, notebooks, end-to-end benchmarks);
-and how those drive the web page in a browser."""
+how those drive the web page in a browser; and an engine stand-in for the page's feed without a model."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ import shutil
 import socket
 import threading
 import time
-from types import TracebackType
+from types import SimpleNamespace, TracebackType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+
+from kvserve.config import EngineConfig
+from kvserve.engine.step_trace import StepTrace
 
 # Debian's chromium, headless, without a sandbox (CI runs as root), a GPU or any network of its own.
 CHROMIUM = shutil.which("chromium")
@@ -55,3 +59,27 @@ class ServerThread:
         self._server.should_exit = True
         self._thread.join(10)
         self._sock.close()
+
+
+class StandInEngine:
+    """The parts of an LLMEngine that AsyncEngine and the web UI read; it never runs a step (a test or
+    a benchmark appends to its step ring as the engine thread would)."""
+
+    model_name = "stand-in-model"
+    max_model_len = 64
+    max_sequence_len = 64
+    quantization = "none"
+    # The app sizes its prompt-length limit from this when it is built; the stand-in serves no prompt.
+    tokenizer = SimpleNamespace(max_token_bytes=16)
+    speculator = None
+
+    def __init__(self) -> None:
+        self.config = EngineConfig()
+        self.pool = SimpleNamespace(num_blocks=100)
+        self.step_trace: StepTrace | None = None
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running": 1, "num_waiting": 2, "kv_blocks_total": 100, "steps": 0, "model": "stand-in"}
+
+    def has_unfinished_requests(self) -> bool:
+        return False

@@ -10,6 +10,10 @@ const MAX_ROWS = 48; // timeline rows at most
 const MAX_REQUESTS = 300; // requests the table keeps
 const MAX_LATENCIES = 1000; // finished requests the histograms cover
 const HIST_BOUNDS_MS = [5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];
+// The live view's cost is the browser's, on the server's own cores when both run on one machine: it asks
+// for one event every EVENTS_INTERVAL_MS and redraws at most once per event, only what the event changed;
+// a hidden tab closes the feed and draws nothing (benchmarks/RESULTS.md, "Web page's live view").
+const EVENTS_INTERVAL_MS = 500;
 
 const state = {
   key: null,
@@ -27,7 +31,10 @@ const state = {
   lastEventAt: 0,
   history: [], // chat turns sent so far
   answering: null, // AbortController of the answer being streamed
+  feed: null, // AbortController of the open events stream
   drawPending: false,
+  dirty: { steps: false, latencies: false }, // what changed since the last draw
+  colors: null, // the stylesheet's colours, read once
 };
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -120,12 +127,36 @@ function setFeed(on, note) {
   pill.classList.toggle("on", on);
 }
 
+// Resolves when the tab is visible (at once if it is).
+function whenVisible() {
+  return new Promise((resolve) => {
+    const check = () => {
+      if (document.hidden) return;
+      document.removeEventListener("visibilitychange", check);
+      resolve();
+    };
+    document.addEventListener("visibilitychange", check);
+    check();
+  });
+}
+
+// Follows the events stream while the tab is visible; hiding the tab closes the stream (init's
+// visibilitychange handler aborts it) and showing it again opens a new one.
 async function followEngine() {
   if (state.following) return;
   state.following = true;
   for (;;) {
+    if (document.hidden) {
+      setFeed(false, "paused while the tab is hidden");
+      await whenVisible();
+    }
+    state.feed = new AbortController();
     try {
-      const response = await fetch("/v1/engine/events", { headers: authHeaders(), cache: "no-store" });
+      const response = await fetch(`/v1/engine/events?interval_ms=${EVENTS_INTERVAL_MS}`, {
+        headers: authHeaders(),
+        cache: "no-store",
+        signal: state.feed.signal,
+      });
       if (response.status === 401) {
         state.following = false;
         showKeyForm("the server refused the key");
@@ -145,8 +176,10 @@ async function followEngine() {
         else if (event.event === "steps") onSteps(JSON.parse(event.data));
       }
     } catch (error) {
-      // the stream broke (server restarting, network): try again below
+      // the stream broke (server restarting, network) or the tab was hidden: try again below
     }
+    state.feed = null;
+    if (document.hidden) continue;
     setFeed(false, "reconnecting");
     await sleep(2000);
   }
@@ -161,7 +194,7 @@ function onHello(info) {
   state.ttft = [];
   state.tpot = [];
   state.dropped = 0;
-  scheduleDraw();
+  scheduleDraw({ steps: true, latencies: true });
 }
 
 function requestAggregate(id, index) {
@@ -178,6 +211,7 @@ function onSteps(payload) {
   state.lastEventAt = Date.now();
   state.stats = payload.stats;
   state.dropped += payload.dropped;
+  let finished = false;
   for (const step of payload.steps) {
     if (step.i <= state.lastIndex) continue;
     state.lastIndex = step.i;
@@ -193,6 +227,7 @@ function onSteps(payload) {
       agg.accepted += accepted;
     }
     for (const [id, ttft, tpot] of step.f) {
+      finished = true;
       const agg = requestAggregate(id, step.i);
       Object.assign(agg, { finished: true, ttft, tpot });
       if (ttft !== null) state.ttft.push(ttft);
@@ -202,26 +237,56 @@ function onSteps(payload) {
   if (state.steps.length > WINDOW_STEPS) state.steps.splice(0, state.steps.length - WINDOW_STEPS);
   if (state.ttft.length > MAX_LATENCIES) state.ttft.splice(0, state.ttft.length - MAX_LATENCIES);
   if (state.tpot.length > MAX_LATENCIES) state.tpot.splice(0, state.tpot.length - MAX_LATENCIES);
-  scheduleDraw();
+  scheduleDraw({ steps: true, latencies: finished });
 }
 
-function scheduleDraw() {
+// Marks what changed and draws it in the next animation frame: the events that arrive before it are
+// drawn together, and a part nothing changed in is not drawn again.
+function scheduleDraw(changed) {
+  state.dirty.steps ||= changed.steps;
+  state.dirty.latencies ||= changed.latencies;
   if (state.drawPending) return;
   state.drawPending = true;
   requestAnimationFrame(() => {
     state.drawPending = false;
-    drawCards();
-    drawTimeline();
-    drawHistogram($("ttft-hist"), $("ttft-caption"), "TTFT", state.ttft);
-    drawHistogram($("tpot-hist"), $("tpot-caption"), "TPOT", state.tpot);
-    drawTable();
+    const { steps, latencies } = state.dirty;
+    state.dirty = { steps: false, latencies: false };
+    // The canvases first: they read their width before the cards and the table change the layout.
+    if (steps) drawTimeline();
+    if (latencies) {
+      drawHistogram($("ttft-hist"), $("ttft-caption"), "TTFT", state.ttft);
+      drawHistogram($("tpot-hist"), $("tpot-caption"), "TPOT", state.tpot);
+    }
+    if (steps) {
+      drawCards();
+      drawTable();
+    }
+    drawNote();
   });
 }
 
 // ---- the live view: drawing ----
 
 const pct = (part, whole) => (whole > 0 ? `${((100 * part) / whole).toFixed(1)} %` : "–");
-const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+
+// The stylesheet's colours by name (--prefill -> colors().prefill), read once.
+function colors() {
+  if (!state.colors) {
+    const style = getComputedStyle(document.documentElement);
+    const names = ["prefill", "decode", "draft", "you", "dim"];
+    state.colors = Object.fromEntries(names.map((name) => [name, style.getPropertyValue(`--${name}`).trim()]));
+  }
+  return state.colors;
+}
+
+// DOM writes only where the value changes: an unchanged write still costs the browser a layout.
+function setText(element, text) {
+  if (element.textContent !== text) element.textContent = text;
+}
+
+function setStyle(element, property, value) {
+  if (element.style[property] !== value) element.style[property] = value;
+}
 
 function drawCards() {
   const steps = state.steps;
@@ -229,31 +294,35 @@ function drawCards() {
   if (!last) return;
   const first = steps[0];
   const mean = (f) => (steps.reduce((sum, s) => sum + f(s), 0) / steps.length).toFixed(1);
-  $("g-batch").textContent = `${last.s.length} (avg ${mean((s) => s.s.length)})`;
-  $("g-tokens").textContent = `${last.n} (avg ${mean((s) => s.n)})`;
+  setText($("g-batch"), `${last.s.length} (avg ${mean((s) => s.s.length)})`);
+  setText($("g-tokens"), `${last.n} (avg ${mean((s) => s.n)})`);
   const spanS = (last.t + last.d - first.t) / 1000;
-  $("g-steps").textContent = spanS > 0 ? (steps.length / spanS).toFixed(1) : "–";
-  $("g-tps").textContent = spanS > 0 ? (steps.reduce((sum, s) => sum + s.n, 0) / spanS).toFixed(0) : "–";
-  $("g-waiting").textContent = String(last.w);
+  setText($("g-steps"), spanS > 0 ? (steps.length / spanS).toFixed(1) : "–");
+  setText($("g-tps"), spanS > 0 ? (steps.reduce((sum, s) => sum + s.n, 0) / spanS).toFixed(0) : "–");
+  setText($("g-waiting"), String(last.w));
   const [queries, hits] = last.pc;
   const [q0, h0] = first.pc;
-  $("g-prefix").textContent = `${pct(hits - h0, queries - q0)} (all ${pct(hits, queries)})`;
-  if (state.info && !state.info.speculative) $("g-spec").textContent = "off";
-  else $("g-spec").textContent = `${pct(last.sp[1] - first.sp[1], last.sp[0] - first.sp[0])} (all ${pct(last.sp[1], last.sp[0])})`;
+  setText($("g-prefix"), `${pct(hits - h0, queries - q0)} (all ${pct(hits, queries)})`);
+  if (state.info && !state.info.speculative) setText($("g-spec"), "off");
+  else setText($("g-spec"), `${pct(last.sp[1] - first.sp[1], last.sp[0] - first.sp[0])} (all ${pct(last.sp[1], last.sp[0])})`);
   const [used, cached, free] = last.kv;
   const total = state.info?.kv_blocks_total ?? used + free;
-  $("g-kv").textContent = `used ${used} · cached ${cached} · free ${free} of ${total}`;
-  $("kv-used").style.width = `${(100 * used) / total}%`;
-  $("kv-cached").style.width = `${(100 * cached) / total}%`;
-  const idleS = (Date.now() - state.lastEventAt) / 1000;
-  $("live-note").textContent = state.dropped ? `(${state.dropped} steps skipped to keep the stream bounded)` : "";
-  if (idleS > 2) $("live-note").textContent += " idle";
+  setText($("g-kv"), `used ${used} · cached ${cached} · free ${free} of ${total}`);
+  setStyle($("kv-used"), "width", `${(100 * used) / total}%`);
+  setStyle($("kv-cached"), "width", `${(100 * cached) / total}%`);
+}
+
+// The note beside the title: steps the bounded stream left out, and "idle" when no step came for 2 s.
+function drawNote() {
+  if (!state.steps.length) return;
+  const idle = Date.now() - state.lastEventAt > 2000 ? " idle" : "";
+  setText($("live-note"), (state.dropped ? `(${state.dropped} steps skipped to keep the stream bounded)` : "") + idle);
 }
 
 function fitCanvas(canvas, cssHeight) {
   const ratio = window.devicePixelRatio || 1;
   const width = canvas.clientWidth || 600;
-  canvas.style.height = `${cssHeight}px`;
+  setStyle(canvas, "height", `${cssHeight}px`);
   if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(cssHeight * ratio)) {
     canvas.width = Math.round(width * ratio);
     canvas.height = Math.round(cssHeight * ratio);
@@ -293,7 +362,7 @@ function drawTimeline() {
   const colW = (width - labelW - 4) / columns;
   const x0 = labelW + (columns - steps.length) * colW;
   const gap = colW > 4 ? 1 : 0;
-  const [cPrefill, cDecode, cDraft, cYou, cDim] = ["--prefill", "--decode", "--draft", "--you", "--dim"].map(css);
+  const { prefill: cPrefill, decode: cDecode, draft: cDraft, you: cYou, dim: cDim } = colors();
 
   ctx.fillStyle = cDim;
   ctx.fillText(steps.length ? `iterations ${steps[0].i}–${steps[steps.length - 1].i}` : "no iterations yet: send a message", labelW, 11);
@@ -389,42 +458,51 @@ function drawHistogram(canvas, caption, name, values) {
   const plotH = 110;
   counts.forEach((count, i) => {
     const h = (plotH * count) / maxCount;
-    ctx.fillStyle = css(name === "TTFT" ? "--prefill" : "--decode");
+    ctx.fillStyle = name === "TTFT" ? colors().prefill : colors().decode;
     ctx.fillRect(5 + i * barW, 10 + plotH - h, barW - 2, h);
-    ctx.fillStyle = css("--dim");
+    ctx.fillStyle = colors().dim;
     if (count) ctx.fillText(String(count), 5 + i * barW, 8 + plotH - h);
     ctx.fillText(labels[i], 5 + i * barW, 10 + plotH + 14);
   });
   const sorted = [...values].sort((a, b) => a - b);
   const p50 = quantile(sorted, 0.5);
   const p90 = quantile(sorted, 0.9);
-  caption.textContent = sorted.length
-    ? `${name} of ${sorted.length} finished requests (ms): p50 ${p50.toFixed(1)}, p90 ${p90.toFixed(1)}`
-    : `${name}: no finished requests yet`;
+  setText(
+    caption,
+    sorted.length
+      ? `${name} of ${sorted.length} finished requests (ms): p50 ${p50.toFixed(1)}, p90 ${p90.toFixed(1)}`
+      : `${name}: no finished requests yet`,
+  );
 }
 
+const TABLE_ROWS = 24; // the newest requests the table shows
+const TABLE_FIELDS = ["id", "steps", "prefill", "decode", "accepted", "ttft", "tpot", "state"];
+
+// The table keeps its rows and cells and rewrites only the texts that changed.
 function drawTable() {
   const body = $("requests").tBodies[0];
   const latest = state.lastIndex;
-  const rows = [...state.requests.values()].slice(-24).reverse();
+  const rows = [...state.requests.values()].slice(-TABLE_ROWS).reverse();
   const fmt = (v) => (v === null ? "–" : v.toFixed(1));
-  body.replaceChildren(
-    ...rows.map((agg) => {
-      const tr = document.createElement("tr");
-      tr.dataset.request = agg.id;
-      tr.classList.toggle("you", state.mine.has(agg.id));
-      const status = agg.finished ? "finished" : latest - agg.last > 50 ? "not seen lately" : "running";
-      const cells = [agg.id, agg.steps, agg.prefill, agg.decode, agg.accepted, fmt(agg.ttft), fmt(agg.tpot), status];
-      const names = ["id", "steps", "prefill", "decode", "accepted", "ttft", "tpot", "state"];
-      cells.forEach((value, i) => {
-        const td = document.createElement("td");
-        td.textContent = String(value);
-        td.dataset.field = names[i];
-        tr.append(td);
-      });
-      return tr;
-    }),
-  );
+  while (body.rows.length > rows.length) body.lastElementChild.remove();
+  while (body.rows.length < rows.length) {
+    const tr = document.createElement("tr");
+    for (const name of TABLE_FIELDS) {
+      const td = document.createElement("td");
+      td.dataset.field = name;
+      tr.append(td);
+    }
+    body.append(tr);
+  }
+  rows.forEach((agg, r) => {
+    const tr = body.rows[r];
+    if (tr.dataset.request !== agg.id) tr.dataset.request = agg.id;
+    const you = state.mine.has(agg.id);
+    if (tr.classList.contains("you") !== you) tr.classList.toggle("you", you);
+    const status = agg.finished ? "finished" : latest - agg.last > 50 ? "not seen lately" : "running";
+    const cells = [agg.id, agg.steps, agg.prefill, agg.decode, agg.accepted, fmt(agg.ttft), fmt(agg.tpot), status];
+    cells.forEach((value, i) => setText(tr.cells[i], String(value)));
+  });
 }
 
 // ---- the playground ----
@@ -570,7 +648,8 @@ function init() {
     state.history = [];
     $("chat-log").replaceChildren();
   });
-  setInterval(() => state.steps.length && drawCards(), 1000);
+  document.addEventListener("visibilitychange", () => document.hidden && state.feed?.abort());
+  setInterval(drawNote, 1000);
   connect();
 }
 
