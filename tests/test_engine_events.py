@@ -124,6 +124,17 @@ def test_no_web_ui_means_no_page_no_feed_no_recording() -> None:
     assert engine.step_trace is None and app.state.engine_events is None
 
 
+def steps_events_until(stream: Iterator[tuple[str, Any]], last_step: int) -> list[dict[str, Any]]:
+    """The "steps" events' payloads read from `stream` until one carries step `last_step`."""
+    received = []
+    for name, payload in stream:
+        if name == "steps":
+            received.append(payload)
+            if payload["steps"][-1]["i"] == last_step:
+                break
+    return received
+
+
 def test_rate_and_size_are_bounded_and_every_step_is_sent_or_counted(served: Served) -> None:
     feed = served.events
     feed.interval_s, feed.max_steps_per_event = 0.2, 50
@@ -139,17 +150,12 @@ def test_rate_and_size_are_bounded_and_every_step_is_sent_or_counted(served: Ser
         stop.set()
 
     writer = threading.Thread(target=engine_thread)
-    received: list[dict[str, Any]] = []
     with httpx.stream("GET", f"{served.url}/v1/engine/events", headers=AUTH, timeout=10) as response:
         stream = events(response)
         assert next(stream)[0] == "hello"
         started = time.monotonic()
         writer.start()
-        for name, payload in stream:
-            if name == "steps":
-                received.append(payload)
-                if payload["steps"][-1]["i"] == produced:
-                    break
+        received = steps_events_until(stream, produced)
         elapsed = time.monotonic() - started
     writer.join()
     assert len(received) <= elapsed / feed.interval_s + 2, "at most one event per interval"
@@ -185,18 +191,13 @@ def test_a_subscriber_may_ask_for_fewer_events_never_more(served: Served) -> Non
             time.sleep(0.02)
 
     writer = threading.Thread(target=engine_thread)
-    received: list[dict[str, Any]] = []
     with httpx.stream("GET", url, params={"interval_ms": "400"}, headers=AUTH, timeout=10) as response:
         stream = events(response)
         name, hello = next(stream)
         assert name == "hello" and hello["interval_ms"] == 400
         started = time.monotonic()
         writer.start()
-        for name, payload in stream:
-            if name == "steps":
-                received.append(payload)
-                if payload["steps"][-1]["i"] == produced:
-                    break
+        received = steps_events_until(stream, produced)
         elapsed = time.monotonic() - started
     writer.join()
     assert len(received) <= elapsed / 0.4 + 2, "at most one event per asked interval"
