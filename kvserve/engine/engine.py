@@ -37,14 +37,11 @@ from kvserve.model import linear
 from kvserve.model.llama import LlamaModel
 from kvserve.model.quantized_linear import quantized_kernels
 from kvserve.model.registry import load_model
-from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
 from kvserve.spec.speculator import Speculator
 from kvserve.structured.masks import start_masks
 
 logger = logging.getLogger(__name__)
-# Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
-_DRAFT_SLOT = -1
 
 
 # A prompt as text or as token ids.
@@ -278,7 +275,8 @@ class LLMEngine:
     # ---- one iteration ----
     def step(self) -> list[RequestOutput]:
         began_wall, began = time.time(), time.perf_counter()
-        proposals = self._plan_speculation()
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running)
         grammar_masks = None
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -289,23 +287,18 @@ class LLMEngine:
                 item.seq.request.metrics.first_scheduled_time = start
         try:
             self.cache.copy_blocks(sched.block_copies)
-            if self.draft is not None:
-                # Before drafting: a separate draft model reads the copied blocks of its own cache.
-                self.draft.copy_blocks(sched.block_copies)
             if self.speculator is not None:
-                proposals = self._draft(sched, proposals)
+                self.speculator.draft(sched)
             spans = spans_of(sched)
             grammar_masks = self._start_grammar_masks(sched)
             logits = self.runner.execute(spans)
-            if self.draft is not None:
-                self.draft.observe(spans)
+            if self.speculator is not None:
+                self.speculator.observe(spans, sched.num_tokens)
         except Exception as exc:  # a failing batch fails its requests, not the engine
             logger.exception("forward pass failed")
             if grammar_masks is not None:
                 futures.wait([grammar_masks])  # its matchers are not touched while it runs
             return [self._fail(item.seq.request, exc) for item in sched.scheduled]
-        if self.speculator is not None:
-            self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
         self._count_step(sched)
         trace = self.step_trace
         work = work_of(sched) if trace is not None else []
@@ -353,7 +346,7 @@ class LLMEngine:
         for seq, rows in verifications:
             assert self.speculator is not None  # only a speculator puts draft tokens up for verification
             try:
-                emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
+                emitted = self.speculator.verify(seq, rows)
             except Exception as exc:
                 logger.exception("verification failed for request %s", seq.request.request_id)
                 touched[seq.request.request_id] = seq.request
@@ -400,49 +393,6 @@ class LLMEngine:
         if all(w is None for w in wanted):
             return None
         return token_logprobs(rows, tokens, [w or 0 for w in wanted])
-
-    # ---- speculative decoding ----
-    def _plan_speculation(self) -> dict[int, Proposal]:
-        """Choose k for this step and mark decoding sequences with k draft slots to schedule.
-
-        n-gram drafts are known now; a draft model fills its slots after scheduling (`_draft`),
-        once blocks for the drafted positions are reserved.
-        """
-        if self.speculator is None:
-            return {}
-        # A sequence's first token is never speculated: an n > 1 request forks its samples there.
-        decoding = [
-            s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0 and s.params.speculates
-        ]
-        if not decoding:
-            return {}
-        prefill_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.in_prefill)
-        k = self.speculator.plan_k(len(decoding), prefill_tokens)
-        if k == 0:
-            self.speculator.stats.skipped_steps += 1
-            return {}
-        if self.draft is not None:
-            for seq in decoding:
-                slots = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-                seq.spec_tokens = [_DRAFT_SLOT] * max(slots, 0)
-            return {}
-        proposals = self.speculator.propose(decoding, k)
-        for seq, proposal in zip(decoding, proposals, strict=True):
-            seq.spec_tokens = list(proposal.tokens)
-        return {seq.seq_id: p for seq, p in zip(decoding, proposals, strict=True)}
-
-    def _draft(self, sched: SchedulerOutput, proposals: dict[int, Proposal]) -> dict[int, Proposal]:
-        """Fill the draft-model slots of scheduled sequences; shrink each item to what was drafted."""
-        items = [item for item in sched.scheduled if item.seq.spec_tokens]
-        if self.draft is None or not items:
-            return proposals
-        seqs = [item.seq for item in items]
-        drafted = self.draft.propose(seqs, [len(s.spec_tokens) for s in seqs])
-        for item, proposal in zip(items, drafted, strict=True):
-            item.seq.spec_tokens = list(proposal.tokens)
-            item.num_new_tokens = item.num_logits = 1 + len(proposal.tokens)
-            proposals[item.seq.seq_id] = proposal
-        return proposals
 
     def _start_grammar_masks(self, sched: SchedulerOutput) -> Future[dict[int, torch.Tensor]] | None:
         """Start the grammar masks of the constrained sequences that sample this step (not verifying
