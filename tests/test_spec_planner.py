@@ -17,16 +17,18 @@ PROMPT_TOKENS = 150  # one prefill step before decoding, as in the engine
 
 @dataclass(frozen=True)
 class Device:
-    """Seconds of a target pass over T tokens: a + b*T; of one proposer pass over n rows: c + e*n."""
+    """Seconds of a target pass over T tokens: a + b*T, plus `verify` when it verifies drafts; of one
+    proposer pass over n rows: c + e*n."""
 
     a: float
     b: float
     c: float
     e: float
     per_draft: bool  # a draft model: one proposer pass per draft; else one per step
+    verify: float = 0.0
 
-    def target(self, tokens: int) -> float:
-        return self.a + self.b * tokens
+    def target(self, tokens: int, drafts: int = 0) -> float:
+        return self.a + self.b * tokens + (self.verify if drafts else 0.0)
 
     def proposer(self, rows: int, k: int) -> float:
         return (k if self.per_draft else 1) * (self.c + self.e * rows)
@@ -41,7 +43,7 @@ def fixed_k_rate(device: Device, batch: int, alpha: float, k: int) -> float:
     """Expected tokens per second when every step drafts k tokens for every sequence."""
     if k == 0:
         return batch / device.target(batch)
-    seconds = device.target(batch * (1 + k)) + device.proposer(batch, k)
+    seconds = device.target(batch * (1 + k), batch * k) + device.proposer(batch, k)
     return batch * expected_tokens(alpha, k) / seconds
 
 
@@ -49,7 +51,7 @@ def simulate(planner: SpeculationPlanner, device: Device, batch: int, alphas: li
     """Run len(alphas) decode steps (step i accepts each draft with probability alphas[i]); returns
     per-step (tokens, seconds, drafted rows)."""
     rng = random.Random(seed)
-    planner.observe_target(PROMPT_TOKENS, device.target(PROMPT_TOKENS))
+    planner.observe_target(PROMPT_TOKENS, device.target(PROMPT_TOKENS), verified_drafts=False)
     steps = []
     for alpha in alphas:
         plan = planner.plan(batch, 0)
@@ -59,8 +61,8 @@ def simulate(planner: SpeculationPlanner, device: Device, batch: int, alphas: li
             proposer = device.proposer(rows, plan.k)
             planner.observe_proposer(rows, plan.k if device.per_draft else 1, proposer)
             seconds += proposer
-        target = device.target(batch + rows * plan.k)
-        planner.observe_target(batch + rows * plan.k, target)
+        target = device.target(batch + rows * plan.k, rows * plan.k)
+        planner.observe_target(batch + rows * plan.k, target, verified_drafts=bool(rows))
         seconds += target
         tokens = batch - rows
         for _ in range(rows):
@@ -99,6 +101,9 @@ def test_a_draft_model_that_is_rarely_right_costs_under_3_percent(batch: int, st
         (SELF_DRAFT, 1, 0.85, 3),
         (dict(c=0.005, e=0.0002, per_draft=True), 1, 0.6, 3),  # a small separate draft model
         (dict(c=0.005, e=0.0002, per_draft=True), 16, 0.6, 3),
+        # Verifying steps take a costlier path than plain decode steps: a low acceptance does not pay.
+        (dict(NGRAM, verify=0.012), 1, 0.1, 4),
+        (dict(NGRAM, verify=0.012), 1, 0.8, 4),
     ],
 )
 def test_throughput_is_close_to_the_best_fixed_k(proposer: dict, batch: int, alpha: float, max_k: int) -> None:

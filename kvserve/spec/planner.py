@@ -6,14 +6,17 @@ k = 0, from three online estimates:
 - the acceptance rate alpha (`AcceptanceEstimate`): a step with k drafts emits
   (1 - alpha^(k+1)) / (1 - alpha) tokens per sequence in expectation;
 - the target's forward time in batch tokens, a + b*T (`LinearTime`), timed around the target pass
-  alone, so that drafting never inflates b;
+  alone, so that drafting never inflates b; fitted apart for steps without drafts and steps that
+  verify drafts, since a verifying step may take another, costlier path than a plain decode step
+  (several query rows per sequence) that no line through plain steps predicts;
 - the proposer's own time per pass in proposing rows, c + e*n, timed around every proposal (a draft
   model runs one pass per drafted position, a model-free proposer one per step).
 With no fit yet, or when k = 0 wins, nothing is drafted except a probe: one draft for one sequence,
 the cheapest way to keep alpha measured (alpha restarts from its prior and the probe's outcome: the
 evidence before a probe is stale). Probes follow a bounded schedule: the first decode step, then
 after FIRST_PROBE_GAP steps, the gap doubling after every probe that leaves k = 0 best (up to
-MAX_PROBE_GAP), and reset once speculation pays again. So a proposer that never pays costs one cheap
+MAX_PROBE_GAP), and reset once speculation pays on two decisions in a row (the second made with the
+first's verified drafts, so that one lucky probe does not reset it). So a proposer that never pays costs one cheap
 probe per doubling gap, and a k = 0 step costs the planner a few arithmetic operations.
 """
 
@@ -119,14 +122,16 @@ class SpeculationPlanner:
         self.adaptive = adaptive
         self.passes_grow_with_k = passes_grow_with_k
         self.acceptance = AcceptanceEstimate()
-        self.target_time = LinearTime()  # x: batch tokens of the target pass
+        self.target_time = LinearTime()  # steps without drafts; x: batch tokens of the target pass
+        self.verify_time = LinearTime()  # steps with drafts; x: batch tokens, drafts included
         self.proposer_time = LinearTime()  # x: rows per proposer pass; seconds per pass
         self._probe_gap = FIRST_PROBE_GAP
         self._steps_to_probe = 0  # the first decode step probes
+        self._last_k = 0  # the previous decision's k
 
     # ---- observations ----
-    def observe_target(self, batch_tokens: int, seconds: float) -> None:
-        self.target_time.observe(batch_tokens, seconds)
+    def observe_target(self, batch_tokens: int, seconds: float, verified_drafts: bool) -> None:
+        (self.verify_time if verified_drafts else self.target_time).observe(batch_tokens, seconds)
 
     def observe_proposer(self, rows: int, passes: int, seconds: float) -> None:
         if passes > 0:
@@ -142,9 +147,11 @@ class SpeculationPlanner:
         if not self.adaptive:
             return Plan(self.max_k)
         k = self.best_k(num_decoding, num_other_tokens)
+        paid_before, self._last_k = self._last_k, k
         if k > 0:
-            self._probe_gap = FIRST_PROBE_GAP
-            self._steps_to_probe = FIRST_PROBE_GAP
+            if paid_before:  # still paying after verifying the last step's drafts: not a lucky probe
+                self._probe_gap = FIRST_PROBE_GAP
+            self._steps_to_probe = self._probe_gap
             return Plan(k)
         if self._steps_to_probe > 0:
             self._steps_to_probe -= 1
@@ -164,14 +171,15 @@ class SpeculationPlanner:
         proposer = self._proposer_seconds(num_decoding, a, b)
         if proposer is None:
             return 0
-        base = a + b * (num_decoding + num_other_tokens)
+        tokens = num_decoding + num_other_tokens
+        base = a + b * tokens
         if base <= 0:
             return 0
         alpha = self.acceptance.rate
         best_k, best_rate = 0, MIN_GAIN / base  # tokens per second per sequence, k = 0 handicapped
         for k in range(1, self.max_k + 1):
             passes = k if self.passes_grow_with_k else 1
-            seconds = base + b * num_decoding * k + passes * proposer
+            seconds = self._verify_seconds(tokens + num_decoding * k, a, b) + passes * proposer
             rate = expected_tokens(alpha, k) / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -189,3 +197,16 @@ class SpeculationPlanner:
             return None
         mean_rows, mean_seconds = means
         return mean_seconds * (a + b * rows) / max(a + b * mean_rows, 1e-12)
+
+    def _verify_seconds(self, tokens: int, a: float, b: float) -> float:
+        """Predicted seconds of a target pass verifying drafts, `tokens` in all. Until such passes of
+        different sizes give a fit, their mean is scaled the way plain passes scale; before any was
+        timed, a plain pass of that size (the first probe measures the difference)."""
+        fit = self.verify_time.coefficients()
+        if fit is not None:
+            return fit[0] + fit[1] * tokens
+        means = self.verify_time.means()
+        if means is None:
+            return a + b * tokens
+        mean_tokens, mean_seconds = means
+        return mean_seconds * (a + b * tokens) / max(a + b * mean_tokens, 1e-12)

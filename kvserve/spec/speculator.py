@@ -90,6 +90,7 @@ class Speculator:
         self.stats = SpecStats(proposed_at=[0] * self.max_k, accepted_at=[0] * self.max_k)
         self._proposals: dict[int, Proposal] = {}  # seq_id -> this step's drafts
         self._target_started: float | None = None
+        self._verifies = False  # whether the step being timed verifies drafts
         self._probes = 0
 
     # ---- before scheduling ----
@@ -138,12 +139,14 @@ class Speculator:
                     item.seq.spec_tokens = list(proposal.tokens)
                     item.num_new_tokens = item.num_logits = 1 + len(proposal.tokens)
                     self._proposals[item.seq.seq_id] = proposal
+        self._verifies = any(item.seq.spec_tokens for item in sched.scheduled)
         self._target_started = time.perf_counter()
 
     def observe(self, spans: list[Span], batch_tokens: int) -> None:
         """After the target pass over `spans` (batch_tokens in all): time it; a mirrored draft follows it."""
         if self._target_started is not None:
-            self.planner.observe_target(batch_tokens, time.perf_counter() - self._target_started)
+            seconds = time.perf_counter() - self._target_started
+            self.planner.observe_target(batch_tokens, seconds, self._verifies)
             self._target_started = None
         if self.draft_model is not None:
             self.draft_model.observe(spans)
