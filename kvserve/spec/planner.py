@@ -12,12 +12,13 @@ k = 0, from three online estimates:
 - the proposer's own time per pass in proposing rows, c + e*n, timed around every proposal (a draft
   model runs one pass per drafted position, a model-free proposer one per step).
 With no fit yet, or when k = 0 wins, nothing is drafted except a probe: one draft for one sequence,
-the cheapest way to keep alpha measured (alpha restarts from its prior and the probe's outcome: the
-evidence before a probe is stale). Probes follow a bounded schedule: the first decode step, then
-after FIRST_PROBE_GAP steps, the gap doubling after every probe that leaves k = 0 best (up to
-MAX_PROBE_GAP), and reset once speculation pays on two decisions in a row (the second made with the
-first's verified drafts, so that one lucky probe does not reset it). So a proposer that never pays costs one cheap
-probe per doubling gap, and a k = 0 step costs the planner a few arithmetic operations.
+the cheapest way to keep alpha measured (a probe's verified draft replaces the evidence, which is
+stale by then; a probe that drafted nothing, e.g. no n-gram match, leaves it). Probes follow a
+bounded schedule: the first decode step, then after FIRST_PROBE_GAP steps, the gap doubling after
+every probe that leaves k = 0 best (up to MAX_PROBE_GAP), and reset once speculation pays on two
+decisions in a row (the second made with the first's verified drafts, so that one lucky probe does
+not reset it). So a proposer that never pays costs one cheap probe per doubling gap, and a k = 0
+step costs the planner a few arithmetic operations.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class AcceptanceEstimate:
         self.successes = self.successes * keep + accepted
 
     def forget(self) -> None:
-        """Drop the evidence: before a probe it is stale, and the probe's outcome alone should decide."""
+        """Drop the evidence (back to the prior)."""
         self.trials = self.successes = 0.0
 
     @property
@@ -128,6 +129,7 @@ class SpeculationPlanner:
         self._probe_gap = FIRST_PROBE_GAP
         self._steps_to_probe = 0  # the first decode step probes
         self._last_k = 0  # the previous decision's k
+        self._probing = False  # the current step is a probe: its verification replaces the evidence
 
     # ---- observations ----
     def observe_target(self, batch_tokens: int, seconds: float, verified_drafts: bool) -> None:
@@ -139,11 +141,15 @@ class SpeculationPlanner:
 
     def observe_verification(self, proposed: int, accepted: int) -> None:
         if proposed:
+            if self._probing:  # the evidence before a probe is stale: its outcome alone decides
+                self.acceptance.forget()
+                self._probing = False
             self.acceptance.observe(proposed, accepted)
 
     # ---- the decision ----
     def plan(self, num_decoding: int, num_other_tokens: int) -> Plan:
         """num_decoding: sequences that may draft; num_other_tokens: the step's other tokens (prefill)."""
+        self._probing = False
         if not self.adaptive:
             return Plan(self.max_k)
         k = self.best_k(num_decoding, num_other_tokens)
@@ -158,7 +164,7 @@ class SpeculationPlanner:
             return NO_SPECULATION
         self._steps_to_probe = self._probe_gap
         self._probe_gap = min(2 * self._probe_gap, MAX_PROBE_GAP)
-        self.acceptance.forget()
+        self._probing = True
         return Plan(1, probe=True)
 
     def best_k(self, num_decoding: int, num_other_tokens: int) -> int:
