@@ -39,14 +39,11 @@ from kvserve.intmath import div_ceil
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
-from kvserve.spec.proposers import Proposal
 from kvserve.spec.setup import build_draft_proposer
 from kvserve.spec.speculator import Speculator
 from kvserve.structured.masks import start_masks
 
 logger = logging.getLogger(__name__)
-# Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
-_DRAFT_SLOT = -1
 
 
 # One sequence's tokens of this step (one sampled, or a verification's accepted drafts and its correction)
@@ -57,7 +54,6 @@ Emission = tuple[Sequence, list[int], list | None]
 class ForwardResult(NamedTuple):
     logits: torch.Tensor  # [rows, vocab]: the scheduled items' logits rows, in schedule order
     grammar_masks: Future[dict[int, torch.Tensor]] | None  # computing while the pass ran
-    proposals: dict[int, Proposal]  # seq_id -> the drafts the pass verifies
 
 
 @dataclass
@@ -124,8 +120,8 @@ class LLMEngine:
         )
         attention = get_attention_backend(self.attention_backend, self.device, windowed=mcfg.has_windows)
         self.runner = ModelRunner(self.model, self.cache, attention)
-        self.draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
-        self.speculator = Speculator(config.speculative, self.draft) if config.speculative else None
+        draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
+        self.speculator = Speculator(config.speculative, draft) if config.speculative else None
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self._order = 0
@@ -198,12 +194,13 @@ class LLMEngine:
         """One iteration in phases: plan drafts, schedule, forward, account, sample, verify, emit. A phase
         that fails fails only the requests it served. Returns the output of every request the step touched."""
         began_wall, began = time.time(), time.perf_counter()
-        proposals = self._plan_speculation()
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         touched: dict[str, Request] = {}  # request id -> request, in the order the step touched them
-        forward = self._forward(sched, proposals, touched)
+        forward = self._forward(sched, touched)
         if forward is None:
             return self._outputs_of(touched)
         self._count_step(sched)
@@ -212,7 +209,7 @@ class LLMEngine:
         jobs, verifications = self._account(sched, forward.logits)
         emissions = self._sample(jobs, forward, touched)
         accepted: dict[tuple[str, int], int] = {}  # (request id, sample) -> drafts kept, for the trace
-        emissions += self._verify(verifications, forward.proposals, touched, accepted)
+        emissions += self._verify(verifications, touched, accepted)
         self._emit_all(emissions, touched)
         if verifications:
             self.scheduler.register_computed_blocks(s for s, _ in verifications if not s.is_finished)
@@ -220,9 +217,7 @@ class LLMEngine:
             trace.record(self, work, accepted, began_wall, began, touched.values())
         return self._outputs_of(touched)
 
-    def _forward(
-        self, sched: SchedulerOutput, proposals: dict[int, Proposal], touched: dict[str, Request]
-    ) -> ForwardResult | None:
+    def _forward(self, sched: SchedulerOutput, touched: dict[str, Request]) -> ForwardResult | None:
         """Copy blocks, draft, start the grammar masks and run the forward pass; None when it failed, which
         fails every scheduled request (into `touched`), not the engine."""
         start = time.perf_counter()
@@ -232,25 +227,20 @@ class LLMEngine:
         grammar_masks = None
         try:
             self.cache.copy_blocks(sched.block_copies)
-            if self.draft is not None:
-                # Before drafting: a separate draft model reads the copied blocks of its own cache.
-                self.draft.copy_blocks(sched.block_copies)
             if self.speculator is not None:
-                proposals = self._draft(sched, proposals)
+                self.speculator.draft(sched)
             spans = spans_of(sched)
             grammar_masks = self._start_grammar_masks(sched)
             logits = self.runner.execute(spans)
-            if self.draft is not None:
-                self.draft.observe(spans)
+            if self.speculator is not None:
+                self.speculator.observe(spans, sched.num_tokens)
         except Exception as exc:
             logger.exception("forward pass failed")
             if grammar_masks is not None:
                 futures.wait([grammar_masks])  # its matchers are not touched while it runs
             self._fail_all([item.seq for item in sched.scheduled], exc, touched)
             return None
-        if self.speculator is not None:
-            self.speculator.times.observe(sched.num_tokens, time.perf_counter() - start)
-        return ForwardResult(logits, grammar_masks, proposals)
+        return ForwardResult(logits, grammar_masks)
 
     def _account(
         self, sched: SchedulerOutput, logits: torch.Tensor
@@ -306,7 +296,6 @@ class LLMEngine:
     def _verify(
         self,
         verifications: list[tuple[Sequence, torch.Tensor]],
-        proposals: dict[int, Proposal],
         touched: dict[str, Request],
         accepted: dict[tuple[str, int], int],
     ) -> list[Emission]:
@@ -315,7 +304,7 @@ class LLMEngine:
         for seq, rows in verifications:
             assert self.speculator is not None  # only a speculator puts draft tokens up for verification
             try:
-                emitted = self.speculator.verify(seq, proposals[seq.seq_id], rows)
+                emitted = self.speculator.verify(seq, rows)
             except Exception as exc:
                 logger.exception("verification failed for request %s", seq.request.request_id)
                 self._fail_all([seq], exc, touched)
@@ -370,49 +359,6 @@ class LLMEngine:
         if all(w is None for w in wanted):
             return None
         return token_logprobs(rows, tokens, [w or 0 for w in wanted])
-
-    # ---- speculative decoding ----
-    def _plan_speculation(self) -> dict[int, Proposal]:
-        """Choose k for this step and mark decoding sequences with k draft slots to schedule.
-
-        n-gram drafts are known now; a draft model fills its slots after scheduling (`_draft`),
-        once blocks for the drafted positions are reserved.
-        """
-        if self.speculator is None:
-            return {}
-        # A sequence's first token is never speculated: an n > 1 request forks its samples there.
-        decoding = [
-            s for s in self.scheduler.running if not s.in_prefill and s.num_output_tokens > 0 and s.params.speculates
-        ]
-        if not decoding:
-            return {}
-        prefill_tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.scheduler.running if s.in_prefill)
-        k = self.speculator.plan_k(len(decoding), prefill_tokens)
-        if k == 0:
-            self.speculator.stats.skipped_steps += 1
-            return {}
-        if self.draft is not None:
-            for seq in decoding:
-                slots = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-                seq.spec_tokens = [_DRAFT_SLOT] * max(slots, 0)
-            return {}
-        proposals = self.speculator.propose(decoding, k)
-        for seq, proposal in zip(decoding, proposals, strict=True):
-            seq.spec_tokens = list(proposal.tokens)
-        return {seq.seq_id: p for seq, p in zip(decoding, proposals, strict=True)}
-
-    def _draft(self, sched: SchedulerOutput, proposals: dict[int, Proposal]) -> dict[int, Proposal]:
-        """Fill the draft-model slots of scheduled sequences; shrink each item to what was drafted."""
-        items = [item for item in sched.scheduled if item.seq.spec_tokens]
-        if self.draft is None or not items:
-            return proposals
-        seqs = [item.seq for item in items]
-        drafted = self.draft.propose(seqs, [len(s.spec_tokens) for s in seqs])
-        for item, proposal in zip(items, drafted, strict=True):
-            item.seq.spec_tokens = list(proposal.tokens)
-            item.num_new_tokens = item.num_logits = 1 + len(proposal.tokens)
-            proposals[item.seq.seq_id] = proposal
-        return proposals
 
     def _start_grammar_masks(self, sched: SchedulerOutput) -> Future[dict[int, torch.Tensor]] | None:
         """Start the grammar masks of the constrained sequences that sample this step (not verifying

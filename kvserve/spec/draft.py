@@ -27,12 +27,6 @@ class DraftModelProposer:
         # True for a separate model whose cache must follow every target forward pass.
         self.mirrors_target = mirrors_target
 
-    @property
-    def relative_cost(self) -> float:
-        """Cost of one draft pass relative to one target pass (for the speculation cost model)."""
-        layers = self.num_layers or self.runner.model.config.num_layers
-        return layers / max(self.runner.model.config.num_layers, 1) if not self.mirrors_target else 0.5
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply the target's copy-on-write block copies to a mirrored cache too."""
         if self.mirrors_target:

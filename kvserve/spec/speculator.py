@@ -1,36 +1,47 @@
-"""Speculative decoding inside the engine: plan k per step, propose, verify, and keep statistics.
+"""Speculative decoding inside the engine: what it does each step, and its statistics.
 
-When it pays (book §31.5): proposing and verifying k extra tokens per sequence costs target work;
-it pays only while enough drafts are accepted. Each step we pick the k (0 = no speculation) that
-maximizes expected tokens per unit of step time, from
-- the measured acceptance rate alpha (exponential moving average over verified drafts): a step with
-  k drafts emits (1 - alpha^(k+1)) / (1 - alpha) tokens per sequence in expectation;
-- a linear model of forward time in batch tokens, time(T) = a + b*T, fitted online from the
-  engine's own steps, plus the proposer's own cost.
-Large batches make b*T dominate, so speculation switches itself off there; small batches on a
-memory-bound device make extra tokens almost free, so it runs with the full k.
+The engine makes these calls per step (kvserve/engine/engine.py, `step`):
+1. `plan(running)` before scheduling: the planner (spec/planner.py) picks k; each chosen decoding
+   sequence gets its drafts in `seq.spec_tokens`: n-gram drafts at once, or k placeholder slots for a
+   draft model, filled after scheduling once blocks for the drafted positions are reserved. The
+   scheduler may cut them short to fit its token budget.
+2. `draft(sched)` after scheduling: a mirrored draft cache applies the step's block copies, draft
+   slots are filled (each scheduled item shrunk to what was drafted), and the target pass is timed
+   from here;
+3. `observe(spans, batch_tokens)` after the target pass: its time goes to the planner, and a
+   mirrored draft model computes its K/V for the same spans;
+4. `verify(seq, logits)` for every sequence the target ran with drafts.
+Invariant: a sequence has spec_tokens only between `plan` and its verification (or its preemption);
+`plan` clears those of a step that did not schedule it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvserve.engine.runner import Span
 from kvserve.engine.sampler import greedy_tokens, policy_probs
+from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.sequence import Sequence
+from kvserve.spec.draft import DraftModelProposer
+from kvserve.spec.planner import SpeculationPlanner
 from kvserve.spec.proposers import NgramProposer, Proposal
 from kvserve.spec.rejection import verify_greedy, verify_sampled
 from kvserve.structured.masks import mask_draft_rows
 
-_EMA = 0.05
+# Placeholder for a draft-model token not drafted yet; replaced before the forward pass reads it.
+_DRAFT_SLOT = -1
 
 
 @dataclass
 class SpecStats:
     steps: int = 0  # steps that verified at least one draft
     skipped_steps: int = 0  # decode steps where the cost model chose k = 0
+    probe_steps: int = 0  # steps that drafted for one sequence only, to keep acceptance measured
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens emitted by verifying sequences (accepted + corrections/bonus)
@@ -50,6 +61,7 @@ class SpecStats:
         return {
             "spec_steps": self.steps,
             "spec_skipped_steps": self.skipped_steps,
+            "spec_probe_steps": self.probe_steps,
             "spec_proposed_tokens": self.proposed,
             "spec_accepted_tokens": self.accepted,
             "spec_acceptance_rate": self.acceptance_rate,
@@ -60,84 +72,107 @@ class SpecStats:
         }
 
 
-class StepTimeModel:
-    """time(T) = a + b*T by exponentially weighted least squares over (batch tokens, seconds)."""
-
-    def __init__(self) -> None:
-        self.n = self.st = self.sy = self.stt = self.sty = 0.0
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        decay = 1 - _EMA
-        self.n = self.n * decay + 1
-        self.st = self.st * decay + tokens
-        self.sy = self.sy * decay + seconds
-        self.stt = self.stt * decay + tokens * tokens
-        self.sty = self.sty * decay + tokens * seconds
-
-    def coefficients(self) -> tuple[float, float] | None:
-        var = self.n * self.stt - self.st * self.st
-        if self.n < 8 or var <= 1e-9 * max(self.n * self.stt, 1.0):
-            return None  # not enough spread in batch sizes yet to separate a from b
-        b = max((self.n * self.sty - self.st * self.sy) / var, 0.0)
-        a = max((self.sy - b * self.st) / self.n, 0.0)
-        return a, b
-
-
 class Speculator:
-    def __init__(self, config: dict[str, Any], draft: Any | None) -> None:
+    def __init__(self, config: dict[str, Any], draft: DraftModelProposer | None) -> None:
         method = config.get("method")
         if method not in ("ngram", "draft"):
             raise ValueError(f"speculative.method must be 'ngram' or 'draft', got {method!r}")
         self.max_k = int(config.get("num_tokens", 4 if method == "ngram" else 3))
         if not 1 <= self.max_k <= 16:
             raise ValueError(f"speculative.num_tokens must be in [1, 16], got {self.max_k}")
-        self.adaptive = bool(config.get("adaptive", True))
         self.method = method
         self.ngram = None
         if method == "ngram":
             self.ngram = NgramProposer(int(config.get("ngram_min", 1)), int(config.get("ngram_max", 4)))
-        self.draft = draft
-        self.alpha = 0.7  # optimistic prior so speculation is tried and measured
-        self.times = StepTimeModel()
+        self.draft_model = draft
+        # A draft model runs one pass per drafted position, n-gram lookup one per step.
+        self.planner = SpeculationPlanner(self.max_k, bool(config.get("adaptive", True)), draft is not None)
         self.stats = SpecStats(proposed_at=[0] * self.max_k, accepted_at=[0] * self.max_k)
+        self._proposals: dict[int, Proposal] = {}  # seq_id -> this step's drafts
+        self._target_started: float | None = None
+        self._verifies = False  # whether the step being timed verifies drafts
+        self._probes = 0
 
-    # ---- planning ----
-    def plan_k(self, num_decoding: int, num_other_tokens: int) -> int:
-        if not self.adaptive:
-            return self.max_k
-        coeffs = self.times.coefficients()
-        if coeffs is None:
-            return self.max_k
-        a, b = coeffs
-        base = a + b * (num_decoding + num_other_tokens)
-        draft_cost = self.draft.relative_cost if self.draft is not None else 0.0
-        best_k, best_rate = 0, 1.0 / base if base > 0 else 0.0
-        alpha = min(self.alpha, 0.999)
-        for k in range(1, self.max_k + 1):
-            expected = (1 - alpha ** (k + 1)) / (1 - alpha)
-            cost = base + b * num_decoding * k + k * draft_cost * (a + b * num_decoding)
-            rate = expected / cost if cost > 0 else 0.0
-            if rate > best_rate * 1.02:  # demand a clear gain, not noise
-                best_k, best_rate = k, rate
-        return best_k
+    # ---- before scheduling ----
+    def plan(self, running: list[Sequence]) -> None:
+        """Choose k for this step and give the chosen decoding sequences their drafts or draft slots."""
+        self._proposals = {}
+        decoding: list[Sequence] = []
+        prefill_tokens = 0
+        for seq in running:
+            if seq.in_prefill:
+                prefill_tokens += seq.num_tokens - seq.num_computed_tokens
+                continue
+            seq.spec_tokens = []
+            # A sequence's first token is never speculated: an n > 1 request forks its samples there.
+            if seq.num_output_tokens > 0 and seq.params.speculates and _room(seq) > 0:
+                decoding.append(seq)
+        if not decoding:
+            return
+        plan = self.planner.plan(len(decoding), prefill_tokens)
+        if plan.k == 0:
+            self.stats.skipped_steps += 1
+            return
+        if plan.probe:
+            decoding = [decoding[self._probes % len(decoding)]]  # rotates over the batch
+            self._probes += 1
+            self.stats.probe_steps += 1
+        ks = [min(plan.k, _room(seq)) for seq in decoding]
+        if self.draft_model is not None:
+            for seq, k in zip(decoding, ks, strict=True):
+                seq.spec_tokens = [_DRAFT_SLOT] * k
+            return
+        for seq, proposal in zip(decoding, self._propose(decoding, ks), strict=True):
+            seq.spec_tokens = list(proposal.tokens)
+            self._proposals[seq.seq_id] = proposal
 
-    def propose(self, seqs: list[Sequence], k: int) -> list[Proposal]:
-        ks = [min(k, s.params.max_tokens - s.num_output_tokens - 1) for s in seqs]
+    # ---- after scheduling, around the target pass ----
+    def draft(self, sched: SchedulerOutput) -> None:
+        """Fill the draft-model slots of scheduled sequences; shrink each item to what was drafted."""
+        if self.draft_model is not None:
+            self.draft_model.copy_blocks(sched.block_copies)  # before drafting: it reads the copied blocks
+            items = [item for item in sched.scheduled if item.seq.spec_tokens]
+            if items:
+                seqs = [item.seq for item in items]
+                drafted = self._propose(seqs, [len(s.spec_tokens) for s in seqs])
+                for item, proposal in zip(items, drafted, strict=True):
+                    item.seq.spec_tokens = list(proposal.tokens)
+                    item.num_new_tokens = item.num_logits = 1 + len(proposal.tokens)
+                    self._proposals[item.seq.seq_id] = proposal
+        self._verifies = any(item.seq.spec_tokens for item in sched.scheduled)
+        self._target_started = time.perf_counter()
+
+    def observe(self, spans: list[Span], batch_tokens: int) -> None:
+        """After the target pass over `spans` (batch_tokens in all): time it; a mirrored draft follows it."""
+        if self._target_started is not None:
+            seconds = time.perf_counter() - self._target_started
+            self.planner.observe_target(batch_tokens, seconds, self._verifies)
+            self._target_started = None
+        if self.draft_model is not None:
+            self.draft_model.observe(spans)
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Drafts from the proposer, timed for the planner."""
+        began = time.perf_counter()
         if self.ngram is not None:
-            return [
-                self.ngram.propose(s.token_ids, kk) if kk > 0 else Proposal([]) for s, kk in zip(seqs, ks, strict=True)
-            ]
-        assert self.draft is not None  # a speculator has an n-gram proposer or a draft model
-        return self.draft.propose(seqs, ks)
+            proposals = [self.ngram.propose(s.token_ids, k) for s, k in zip(seqs, ks, strict=True)]
+            passes = 1
+        else:
+            assert self.draft_model is not None  # a speculator has an n-gram proposer or a draft model
+            proposals = self.draft_model.propose(seqs, ks)
+            passes = max(ks, default=0)
+        self.planner.observe_proposer(len(seqs), passes, time.perf_counter() - began)
+        return proposals
 
     # ---- verification ----
-    def verify(self, seq: Sequence, draft: Proposal, target_logits: torch.Tensor) -> list[int]:
+    def verify(self, seq: Sequence, target_logits: torch.Tensor) -> list[int]:
         """Tokens to emit (1..k+1) given target logits for the last token and each scheduled draft.
 
         The scheduler may have cut the drafts short to fit its token budget: only the first k =
         rows - 1 drafts were fed to the target, so only they are verified (and counted).
         """
         k = target_logits.shape[0] - 1
+        draft = self._proposals.pop(seq.seq_id)
         draft = Proposal(draft.tokens[:k], draft.probs[:k] if draft.probs is not None else None)
         if seq.matcher is not None:
             # Row i is masked by the grammar after drafts[:i]: a draft the grammar forbids has target
@@ -157,6 +192,10 @@ class Speculator:
         for position in range(len(draft.tokens)):
             stats.proposed_at[position] += 1
             stats.accepted_at[position] += int(position < accepted)
-        if draft.tokens:
-            self.alpha = (1 - _EMA) * self.alpha + _EMA * (accepted / len(draft.tokens))
+        self.planner.observe_verification(len(draft.tokens), accepted)
         return emitted
+
+
+def _room(seq: Sequence) -> int:
+    """Drafts that fit before max_tokens, keeping room for the token the target adds after them."""
+    return seq.params.max_tokens - seq.num_output_tokens - 1
