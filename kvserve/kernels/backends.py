@@ -38,10 +38,10 @@ def auto_cpu_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The compiled CPU kernels where they build (and the layer has no window); otherwise, per batch,
-    the faster of the tiled kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
-    if window is None and cpu.load() is not None:
-        return cpu_attention(q, k_cache, v_cache, meta, scale)
+    """The compiled CPU kernels where they build; otherwise, per batch, the faster of the tiled kernel
+    and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    if cpu.load() is not None:
+        return cpu_attention(q, k_cache, v_cache, meta, scale, window)
     if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
         return tiled_attention(q, k_cache, v_cache, meta, scale, window)
     return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
@@ -61,7 +61,7 @@ def get_attention_backend(name: str, device: torch.device | str, windowed: bool 
             "use one of 'sdpa', 'tiled', 'reference', 'cpu', 'auto_cpu'"
         )
     if windowed and name in ("cpu", "auto_cpu") and cpu.load() is not None:
-        logger.warning("sliding-window layers run attention on torch ops because the compiled CPU kernel has no window")
+        logger.info("sliding-window layers run attention on the compiled CPU kernel, skipping blocks before the window")
     if name == "auto_cpu":
         return auto_cpu_attention
     if name == "tiled":

@@ -61,7 +61,6 @@ def torch_path_reasons(config: ModelConfig) -> list[str]:
         "it normalizes q and k heads" if config.qk_norm else "",
         "it has norms after attention and MLP" if config.sandwich_norms else "",
         f"its MLP gates with {config.activation}" if config.activation != "silu" else "",
-        "it has sliding-window layers" if config.has_windows else "",
         "its layers use different RoPE bases" if config.sliding_rope_theta is not None else "",
     ]
     return [r for r in reasons if r]
@@ -106,6 +105,7 @@ class LlamaModel:
         tables[FULL] = (self.rope_cos, self.rope_sin)
         self.layer_rope = [tables[config.layer_type(i)] for i in range(config.num_layers)]
         self.layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self.decode_windows = [window or 0 for window in self.layer_windows]  # decode_layers' 0: no window
         self.embedding_scale = config.embedding_scale
         # The compiled decode step (kernels/cpu/decode_layers.cpp) runs the plain Llama layer and needs
         # every linear to be a bf16 KernelLinear, or every linear a QuantizedLinear (any dtype); it takes
@@ -204,7 +204,7 @@ class LlamaModel:
                 [tensor for group in tiles for tensor in group], self.decode_block_types[: 4 * len(layers)],
                 self.final_norm, eps, positions, self.rope_cos, self.rope_sin, kv_cache, slot_mapping,
                 meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), self.scale,
-                cfg.num_heads, cfg.num_kv_heads,
+                cfg.num_heads, cfg.num_kv_heads, self.decode_windows[: len(layers)],
             )  # fmt: skip
         x = ops.add_rms_norm(h, None, layers[0][1][0], eps, self.dtype)
         k_caches, v_caches = (kind.unbind(0) for kind in kv_cache.unbind(1))  # per-layer views, 3 calls
