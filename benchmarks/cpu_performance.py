@@ -6,7 +6,8 @@ Rows:
 - offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py);
 - batch-1 decode: one 128-token prompt, 128 outputs: TPOT, and per-step time outside matrix products
   (the Python/op overhead, from the torch profiler over a few steps);
-- bf16 vs float32 greedy agreement, kvserve's and HF's (benchmarks/dtype_agreement.py);
+- bf16 vs float32 greedy agreement, kvserve's and HF's (benchmarks/dtype_agreement.py; always on the
+  default model, which has a chat template: --model chooses the model of the other rows);
 - served: `kvserve serve` started here, driven by kvserve's replay client (`kvserve bench serve`):
   100 requests 128/128 all at once; Poisson 2 req/s x 60; max-concurrency 1 x 6;
   the same client against every `--peer NAME=URL` (an OpenAI-compatible server, running already or
@@ -14,7 +15,7 @@ Rows:
 Prints a table of output tok/s, TTFT and TPOT p50/p99, failures, the replay client's own CPU seconds
 and peak RSS, with ratios to kvserve; writes JSON.
 
-    python benchmarks/cpu_performance.py [--dtype bfloat16] [--skip-hf] [--skip-served]
+    python benchmarks/cpu_performance.py [--model gemma3-270m] [--dtype bfloat16] [--skip-hf] [--skip-served]
         [--peer vllm=http://127.0.0.1:8001 --peer llamacpp=http://127.0.0.1:8002]
         [--peer-launch vllm="COMMAND that starts it" ...] [--served-only] [--repeat N]
 
@@ -50,6 +51,7 @@ from kvserve.bench.generators import LengthDist, random_workload
 from kvserve.bench.metrics import summarize
 from kvserve.bench.replay import ReplayConfig, replay
 from kvserve.kernels import cpu
+from kvserve.model.registry import DEFAULT_MODEL
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "kvserve::gemv_bf16")
 SERVED_RUNS = {  # name: (requests, rate per second, max concurrency, seed)
@@ -59,8 +61,8 @@ SERVED_RUNS = {  # name: (requests, rate per second, max concurrency, seed)
 }
 
 
-def batch1_decode(dtype: str, prompt_len: int = 128, output_len: int = 128) -> dict[str, Any]:
-    llm = LLM(dtype=dtype, enable_prefix_caching=False)
+def batch1_decode(dtype: str, model: str, prompt_len: int = 128, output_len: int = 128) -> dict[str, Any]:
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False)
     prompt = random_prompts(1, prompt_len, seed=5)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))[0]
@@ -119,12 +121,12 @@ def wait_until_ready(proc: subprocess.Popen, url: str, path: str, name: str, tim
     raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s")
 
 
-def start_kvserve(dtype: str, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_kvserve(dtype: str, threads: int | None, model: str) -> tuple[subprocess.Popen, str]:
     # The first start after a kernel source change compiles them (~4 min on 2 cores): done here, so the
     # server finds them built and its start-up timeout measures only its own start-up.
     cpu.load()
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), "--dtype", dtype]
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", str(port), "--dtype", dtype]
     if threads:
         cmd += ["--num-threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,11 +135,11 @@ def start_kvserve(dtype: str, threads: int | None) -> tuple[subprocess.Popen, st
     return proc, url
 
 
-def kvserve_rows(dtype: str, threads: int | None, repeat: int) -> tuple[list[dict[str, Any]], float | None]:
+def kvserve_rows(dtype: str, threads: int | None, model: str, repeat: int) -> tuple[list[dict[str, Any]], float | None]:
     """One round of the served rows against a `kvserve serve` started for it, and the server's peak RSS."""
-    proc, url = start_kvserve(dtype, threads)
+    proc, url = start_kvserve(dtype, threads, model)
     try:
-        rows = served_rows("kvserve", url, "smollm2-135m-instruct", repeat)
+        rows = served_rows("kvserve", url, served_model(url), repeat)
     finally:
         peak_rss_mb = _peak_rss_mb(proc.pid)
         proc.terminate()
@@ -154,12 +156,16 @@ def peer_rows(name: str, url: str, model: str | None, launch: str | None, repeat
                                 stderr=subprocess.DEVNULL)  # fmt: skip
         wait_until_ready(proc, url, "/v1/models", name, 600)
     try:
-        model = model or httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        return served_rows(name, url, model, repeat)
+        return served_rows(name, url, model or served_model(url), repeat)
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=120)
+
+
+def served_model(url: str) -> str:
+    """The model name the OpenAI-compatible server at `url` serves (its first)."""
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def memory_gb_s() -> float:
@@ -218,6 +224,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the bundled model kvserve's own rows run")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-served", action="store_true")
@@ -237,7 +244,12 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
     args = parser.parse_args()
 
-    results: dict[str, Any] = {"dtype": args.dtype, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    results: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+    }
     # The served rows run first, before this process loads and frees engines and HF models of its own.
     # Run after the bf16-vs-fp32 agreement rows, kvserve's first served run (all at once) was markedly
     # slower than after nothing or after the offline, HF or batch-1 rows alone (figures:
@@ -248,7 +260,7 @@ def main() -> None:
         launches = dict(launch.split("=", 1) for launch in args.peer_launch)
         peak_rss: list[float] = []
         for repeat in range(args.repeat):
-            rows, peak_rss_mb = kvserve_rows(args.dtype, args.server_threads, repeat)
+            rows, peak_rss_mb = kvserve_rows(args.dtype, args.server_threads, args.model, repeat)
             served += rows
             peak_rss += [peak_rss_mb] if peak_rss_mb is not None else []
             for peer in args.peer:
@@ -258,8 +270,9 @@ def main() -> None:
     results["served"] = served
 
     if not args.served_only:
-        results["offline"] = offline_rounds(random_prompts(64, 128), 128, args.dtype, args.repeat, not args.skip_hf)
-        results["batch1"] = batch1_decode(args.dtype)
+        prompts = random_prompts(64, 128)
+        results["offline"] = offline_rounds(prompts, 128, args.dtype, args.repeat, not args.skip_hf, args.model)
+        results["batch1"] = batch1_decode(args.dtype, args.model)
         results["bf16_vs_fp32"] = dtype_agreement.measure(with_hf=not args.skip_hf)
 
     if "offline" in results:

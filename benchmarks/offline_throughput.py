@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model.registry import bundled_gguf_path
+from kvserve.model.registry import DEFAULT_MODEL, bundled_gguf_path
 
 # One timed batch: (prompts, output_len) -> (seconds, output tokens).
 TimedBatch = Callable[[list[list[int]], int], tuple[float, int]]
@@ -35,9 +35,9 @@ def random_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 32000) for _ in range(length)] for _ in range(count)]
 
 
-def load_kvserve(dtype: str) -> tuple[TimedBatch, Callable[[], dict]]:
+def load_kvserve(dtype: str, model: str = DEFAULT_MODEL) -> tuple[TimedBatch, Callable[[], dict]]:
     """kvserve's engine, loaded and warmed up: its timed batch, and the engine facts to report."""
-    llm = LLM(dtype=dtype, enable_prefix_caching=False)
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False)
     llm.generate(random_prompts(2, 16, seed=99), SamplingParams(temperature=0, max_tokens=4))  # warm-up
 
     def timed(prompts: list[list[int]], output_len: int) -> tuple[float, int]:
@@ -54,23 +54,23 @@ def load_kvserve(dtype: str) -> tuple[TimedBatch, Callable[[], dict]]:
     return timed, facts
 
 
-def load_hf(dtype: str) -> TimedBatch:
+def load_hf(dtype: str, model: str = DEFAULT_MODEL) -> TimedBatch:
     """HF transformers on the same GGUF file, loaded and warmed up: its timed batch."""
     from transformers import AutoModelForCausalLM
 
-    path = bundled_gguf_path()
+    path = bundled_gguf_path(model)
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     # Loaded outside torch.inference_mode(), as a user loads it: loaded inside, its parameters are inference
     # tensors, and bf16 generate() then runs much slower, mostly in aten::copy_ (see the correction note
     # at the top of benchmarks/RESULTS.md).
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
 
     @torch.inference_mode()
     def generate(input_ids: torch.Tensor, output_len: int) -> torch.Tensor:
         mask = torch.ones_like(input_ids)
-        return model.generate(input_ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False)
+        return hf.generate(input_ids, attention_mask=mask, max_new_tokens=output_len, do_sample=False)
 
     generate(torch.tensor(random_prompts(2, 16, seed=99)), 4)  # warm-up
 
@@ -85,15 +85,20 @@ def load_hf(dtype: str) -> TimedBatch:
 
 
 def offline_rounds(
-    prompts: list[list[int]], output_len: int, dtype: str, repeat: int = 1, with_hf: bool = True
+    prompts: list[list[int]],
+    output_len: int,
+    dtype: str,
+    repeat: int = 1,
+    with_hf: bool = True,
+    model: str = DEFAULT_MODEL,
 ) -> dict:
     """Both engines loaded once, then `repeat` rounds of one timed batch each, kvserve first. Returns the
     rounds ({engine: {seconds, output_tokens, output_tok_s}} each), kvserve's engine facts and, with HF,
     each round's ratio kvserve / HF and their median."""
     engines: dict[str, TimedBatch] = {}
-    engines["kvserve"], kvserve_facts = load_kvserve(dtype)
+    engines["kvserve"], kvserve_facts = load_kvserve(dtype, model)
     if with_hf:
-        engines["hf-transformers"] = load_hf(dtype)
+        engines["hf-transformers"] = load_hf(dtype, model)
     rounds = []
     for _ in range(repeat):
         row = {}
@@ -101,7 +106,7 @@ def offline_rounds(
             seconds, tokens = timed(prompts, output_len)
             row[name] = {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
         rounds.append(row)
-    result: dict = {"dtype": dtype, "kvserve": kvserve_facts(), "rounds": rounds}
+    result: dict = {"model": model, "dtype": dtype, "kvserve": kvserve_facts(), "rounds": rounds}
     if with_hf:
         ratios = [r["kvserve"]["output_tok_s"] / r["hf-transformers"]["output_tok_s"] for r in rounds]
         result["ratios_kvserve_to_hf"] = ratios
@@ -124,6 +129,7 @@ def print_rounds(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a bundled model's name (both engines read its GGUF)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -134,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
 
     prompts = random_prompts(args.num_requests, args.input_len)
-    result = offline_rounds(prompts, args.output_len, args.dtype, args.repeat, with_hf=not args.skip_hf)
+    result = offline_rounds(prompts, args.output_len, args.dtype, args.repeat, not args.skip_hf, args.model)
     print(
         f"{args.num_requests} requests x {args.input_len} in / {args.output_len} out, {args.dtype}, "
         f"{torch.get_num_threads()} threads"

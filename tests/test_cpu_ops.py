@@ -127,6 +127,56 @@ def test_cpu_attention_other_head_shapes(kernels, dtype, heads, kv_heads, head_d
     assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+# (query_lens, seq_lens, window), block size 16: windows smaller than the context starting at a block's
+# first key (seq 100, window 20: the decode row sees 80..99), mid-tile, one key (itself only), exactly a
+# block (16); equal to the context (37) and larger (1000); verify rows whose windows start in different
+# tiles; a 40-token prefill chunk (past DECODE_MAX_QUERY_LEN: on SDPA, the windowed layer's prefill path).
+WINDOW_CASES = [
+    ([1, 1, 1], [100, 37, 5], 20),
+    ([1, 3, 1], [71, 64, 18], 16),
+    ([1, 1], [37, 37], 37),
+    ([1, 4], [37, 90], 1000),
+    ([1, 2], [50, 33], 1),
+    ([4, 8, 1], [90, 100, 130], 13),
+    ([40, 1], [300, 257], 50),
+]
+# (heads, kv_heads, head_dim, block_size): Gemma 3 270M (GQA 4:1 of 256), GQA 4:1 of 128, SmolLM2's
+# shape (AMX's head dim: a windowed layer must still take the vector kernel there), blocks shorter
+# and longer than a tile.
+WINDOW_SHAPES = [(4, 1, 256, 16), (8, 2, 128, 16), (9, 3, 64, 16), (4, 2, 40, 8), (4, 1, 64, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("query_lens", "seq_lens", "window"), WINDOW_CASES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), WINDOW_SHAPES)
+def test_cpu_attention_with_a_window_matches_the_oracle(
+    kernels, dtype, query_lens, seq_lens, window, heads, kv_heads, head_dim, block_size
+) -> None:
+    q, k, v, meta = random_paged_inputs(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=11)
+    scale = head_dim**-0.5
+    out = cpu_attention(q, k, v, meta, scale, window=window)
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, scale, torch.float64, window)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attention_with_a_window_never_uses_the_blocks_before_it(kernels, dtype) -> None:
+    """Every key of the blocks wholly before a sequence's earliest window set to NaN: any use of them
+    (a probability of 0 times a NaN value included) would show in the output."""
+    query_lens, seq_lens, window, block_size = [1, 3], [100, 75], 20, 16
+    q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 4, 1, 256, block_size, dtype, seed=2)
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 1 / 16, torch.float64, window)
+    for i, (n, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        earliest = s - n - window + 1  # the first new token's first key
+        outside = meta.block_tables[i, : earliest // block_size]
+        assert len(outside) > 0
+        k[outside] = float("nan")
+        v[outside] = float("nan")
+    out = cpu_attention(q, k, v, meta, 1 / 16, window=window)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_attention_is_stable_for_huge_logits(kernels, dtype) -> None:
     """Scores of +-1e4 would overflow a naive exp: the online max keeps every term <= 1."""

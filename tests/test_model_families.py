@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels.backends import get_attention_backend
@@ -91,8 +93,9 @@ def test_gguf_of_the_checkpoint_equals_hf(checkpoints, family):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_sliding_windows_on_the_tiled_backend(checkpoints, family):
-    """The torch tiled kernel for every layer (the engine's default here is SDPA; every backend's window
-    against the oracle: tests/test_attention_backends.py)."""
+    """The torch tiled kernel for every layer (the engine's default here is the compiled CPU kernel;
+    every backend's window against the oracle: tests/test_attention_backends.py, the compiled kernel's:
+    tests/test_cpu_ops.py)."""
     directory, expected = checkpoints[family]
     outs = kvserve_llm(directory, attention_backend="tiled").generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == expected
@@ -167,9 +170,29 @@ def test_every_family_is_chosen_by_its_architecture(checkpoints):
 def test_startup_log_says_what_runs_on_torch_ops(checkpoints, caplog):
     if gemv_kernels() is None:
         pytest.skip("the compiled CPU kernels do not build here: every family runs on torch ops")
+    caplog.set_level(logging.INFO)
     kvserve_llm(checkpoints["gemma3"][0], dtype="bfloat16")
     assert "gemma3 decode steps run on torch ops because it normalizes q and k heads" in caplog.text
-    assert "sliding-window layers run attention on torch ops" in caplog.text
+    assert "sliding-window layers run attention on the compiled CPU kernel" in caplog.text
+    assert "it has sliding-window layers" not in caplog.text  # no longer a reason for the Python loop
+
+
+def test_mistrals_compiled_decode_step_gives_the_python_loops_tokens(checkpoints):
+    """Mistral differs from Llama only by its window, so in bf16 its decode steps run as one compiled call
+    (decode_layers.cpp) with the window, and give the Python layer loop's tokens (that loop's attention
+    equals HF's above)."""
+    if gemv_kernels() is None:
+        pytest.skip("the compiled CPU kernels do not build here")
+    llm = kvserve_llm(checkpoints["mistral"][0], dtype="bfloat16")
+    runs = {}
+    for compiled in (True, False):
+        llm.engine.runner.compiled_decode = compiled
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            outs = [llm.generate([ids], GREEDY)[0].token_ids for ids in PROMPTS]
+        ran = any(e.key == "kvserve::decode_layers" for e in prof.key_averages())
+        runs[compiled] = (outs, ran)
+    assert runs[True][1] and not runs[False][1]
+    assert runs[True][0] == runs[False][0]
 
 
 def test_triton_refuses_windowed_models():

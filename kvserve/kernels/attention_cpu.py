@@ -6,7 +6,9 @@ K/V where they lie in the paged cache: no gathered copy, no score matrix. With a
 with AMX (head dim 32 or 64, blocks a multiple of 16 keys) its products run on the AMX tiles
 (decode_attention_amx.cpp), elsewhere on AVX-512 or plain loops. Long prefill rows are a
 matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py); the AMX kernel
-wins while a sequence has at most AMX_PREFILL_MAX_KEYS keys.
+wins while a sequence has at most AMX_PREFILL_MAX_KEYS keys. A sliding-window layer runs the vector
+kernel, which skips the cache blocks before the window; the AMX kernel has no window, so such a layer's
+prefill rows all go to SDPA.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from kvserve.kernels import cpu
 from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
-from kvserve.kernels.attention_sdpa import prefill_rows, sdpa_attention
+from kvserve.kernels.attention_sdpa import prefill_rows
 from kvserve.kernels.metadata import AttentionMetadata
 
 # Sequences with more new tokens than a decode row go to the AMX kernel while they have at most this
@@ -33,30 +35,29 @@ def cpu_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Packed varlen causal attention over the paged cache. q: [T, Hq, D] (rows may be strided).
-    The compiled kernel has no sliding window: windowed layers run on torch SDPA (get_attention_backend
-    says so at load)."""
-    if window is not None:
-        return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
+    """Packed varlen causal attention over the paged cache. q: [T, Hq, D] (rows may be strided);
+    `window`: a query sees only the last `window` keys (its own included)."""
     kernels = cpu.load()
     if kernels is None:
         raise RuntimeError("attention_backend 'cpu' needs kvserve's compiled CPU kernels (see kvserve/kernels/cpu)")
     out = q.new_empty(q.shape)
-    plan = meta.plans.get("cpu")
+    window_keys = 0 if window is None else window  # the kernels' spelling of "no window"
+    plan_key = ("cpu", window is None)  # which rows the kernel takes depends on whether the layer is windowed
+    plan = meta.plans.get(plan_key)
     if plan is None:
-        longest = AMX_PREFILL_MAX_KEYS if kernels.amx_attention_applies(q, k_cache) else 0
+        longest = AMX_PREFILL_MAX_KEYS if kernels.amx_attention_applies(q, k_cache, window_keys) else 0
         kernel_takes = [
             n <= DECODE_MAX_QUERY_LEN or s <= longest
             for n, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
         ]
         kernel_rows = [i for i, takes in enumerate(kernel_takes) if takes]
         on_sdpa = [i for i, takes in enumerate(kernel_takes) if not takes]
-        plan = meta.plans["cpu"] = (torch.tensor(kernel_rows, dtype=torch.int64), on_sdpa)
+        plan = meta.plans[plan_key] = (torch.tensor(kernel_rows, dtype=torch.int64), on_sdpa)
     on_kernel, on_sdpa = plan
     if len(on_kernel):
         kernels.decode_attention(
-            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, on_kernel, scale
+            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, on_kernel, scale, window_keys
         )
     if on_sdpa:
-        prefill_rows(q, k_cache, v_cache, meta, scale, out, on_sdpa)
+        prefill_rows(q, k_cache, v_cache, meta, scale, out, on_sdpa, window)
     return out

@@ -41,10 +41,10 @@ def auto_cpu_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The compiled CPU kernels where they build (and the layer has no window); otherwise, per batch,
-    the faster of the tiled kernel and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
-    if window is None and cpu.load() is not None:
-        return cpu_attention(q, k_cache, v_cache, meta, scale)
+    """The compiled CPU kernels where they build; otherwise, per batch, the faster of the tiled kernel
+    and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    if cpu.load() is not None:
+        return cpu_attention(q, k_cache, v_cache, meta, scale, window)
     if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
         return tiled_attention(q, k_cache, v_cache, meta, scale, window)
     return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
@@ -104,7 +104,7 @@ def get_attention_backend(name: str, device: torch.device | str, windowed: bool 
     if name == "cpu" and cpu.load() is None:
         raise ValueError("attention_backend 'cpu' needs kvserve's compiled CPU kernels, which failed to build")
     if windowed and backend.compiled_decode:
-        logger.warning("sliding-window layers run attention on torch ops because the compiled CPU kernel has no window")
+        logger.info("sliding-window layers run attention on the compiled CPU kernel, skipping blocks before the window")
     if name == "triton":
         if not triton_available(device):
             raise ValueError(f"attention_backend 'triton' needs CUDA and the triton package (device {device})")

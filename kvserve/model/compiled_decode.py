@@ -1,12 +1,12 @@
 """The compiled decode step: every decoder layer of a step made only of decode rows as one C++ call
 (kernels/cpu/decode_layers.cpp), instead of LlamaModel.forward's Python loop over the layers.
 
-It runs the plain Llama layer (no bias, head norms, sandwich norms, other activations, windows or
-per-layer RoPE bases: `torch_path_reasons`), and needs every projection to be a bf16 KernelLinear, or
-every one a QuantizedLinear (any dtype). It takes each layer's tensors in the order a step runs them (a
-quantized one as its blocks, with the block types), and their AMX tiles where every projection has them.
-It then takes up to AMX_MAX_ROWS rows (quant_linear takes any number; the one limit keeps the step's cost
-model), else the GEMV's few.
+It runs the plain Llama layer (no bias, head norms, sandwich norms, other activations or per-layer RoPE
+bases: `torch_path_reasons`), with a sliding window per layer where the model has them. It needs every
+projection to be a bf16 KernelLinear, or every one a QuantizedLinear (any dtype). It takes each layer's
+tensors in the order a step runs them (a quantized one as its blocks, with the block types), and their AMX
+tiles where every projection has them. It then takes up to AMX_MAX_ROWS rows (quant_linear takes any
+number; the one limit keeps the step's cost model), else the GEMV's few.
 
 Invariant: the tensors it holds are the model's own (views, no copies), so it reads the same weights and
 gives the Python loop's tokens (tests/test_decode_layers.py).
@@ -42,7 +42,6 @@ def torch_path_reasons(config: ModelConfig) -> list[str]:
         "it normalizes q and k heads" if config.qk_norm else "",
         "it has norms after attention and MLP" if config.sandwich_norms else "",
         f"its MLP gates with {config.activation}" if config.activation != "silu" else "",
-        "it has sliding-window layers" if config.has_windows else "",
         "its layers use different RoPE bases" if config.sliding_rope_theta is not None else "",
     ]
     return [r for r in reasons if r]
@@ -63,6 +62,7 @@ class CompiledDecodeStep:
         ]
         tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
         self.tiles = tiles if all(t is not None for layer in tiles for t in layer) else None
+        self.windows = [window or 0 for window in model.layer_windows]  # decode_layers' 0: no window
         self.max_rows = AMX_MAX_ROWS if self.tiles is not None or all_quantized else kernels.GEMV_MAX_ROWS
 
     @classmethod
@@ -98,5 +98,5 @@ class CompiledDecodeStep:
             [tensor for group in tiles for tensor in group], self.block_types[: 4 * num_layers],
             model.final_norm, cfg.rms_norm_eps, positions, model.rope_cos, model.rope_sin, kv_cache, slot_mapping,
             meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), model.scale,
-            cfg.num_heads, cfg.num_kv_heads,
+            cfg.num_heads, cfg.num_kv_heads, self.windows[:num_layers],
         )  # fmt: skip

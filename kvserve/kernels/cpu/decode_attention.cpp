@@ -9,7 +9,9 @@ namespace kvserve {
 // and one KV head): it holds the softmax state (m, l, acc) of every query row that reads its heads --
 // each new token times the query heads of each group -- and folds in one tile of kTile keys at a
 // time, so each K/V row is read once and no score matrix or gathered copy exists. Causal: the query
-// at position p sees keys 0..p.
+// at position p sees keys 0..p, or with a sliding window (DecodeProblem::window) keys p - window + 1 .. p:
+// tiles before the item's earliest such key -- whole cache blocks of them -- are not read at all, and
+// in the tile where a row's window starts its earlier keys are masked.
 //
 // q: [T, Hq, D], last dim contiguous (any row stride). caches: [num_blocks, block_size, Hkv, D]
 // contiguous. block_tables [B, W], seq_lens [B], cu_seqlens_q [B+1]: int64 (kernels/metadata.py).
@@ -197,9 +199,10 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
     std::vector<float> qf, acc, m, l, kf(heads * kTile * dim), vf(heads * kTile * width, 0.f);
     std::vector<T> kb(heads * kTile * dim);
     std::vector<const T*> q_rows;
-    std::vector<int64_t> last_key, visible;  // per row: last key it may see; keys of this tile it sees
-    std::vector<float> probs, alpha;         // per row: [kTile] scores, then probabilities; rescale factor
-    PacedPrefetch<T> prefetch;               // the next tile's K/V rows
+    // per row: first and last key it may see; of this tile's keys, the first it sees and one past its last
+    std::vector<int64_t> first_key, last_key, tile_first, visible;
+    std::vector<float> probs, alpha;  // per row: [kTile] scores, then probabilities; rescale factor
+    PacedPrefetch<T> prefetch;        // the next tile's K/V rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / items_per_seq], first_head = item % items_per_seq * heads;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
@@ -210,7 +213,9 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
       acc.assign(nrows * width, 0.f);
       m.assign(nrows, -1e30f);  // a finite floor: exp(m_old - m_new) never sees (-inf) - (-inf)
       l.assign(nrows, 0.f);
+      first_key.resize(nrows);
       last_key.resize(nrows);
+      tile_first.resize(nrows);
       visible.resize(nrows);
       probs.resize(nrows * kTile);
       alpha.resize(nrows);
@@ -218,14 +223,19 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
         const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
         q_rows[r] = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
         if (!bf16_dot) regroup_tile(q_rows[r], 0, 1, 1, dim, dim, &qf[r * dim]);
-        last_key[r] = slen - qlen + row.token;  // causal: the row sees keys 0 .. its own position
+        last_key[r] = slen - qlen + row.token;  // causal: the row sees keys up to its own position
+        first_key[r] = first_visible_key(last_key[r], p.window);
       }
       const int64_t* table = p.tables + seq * p.table_width;
+      // The item's earliest visible key: its first new token's window start (later tokens' start later).
+      const int64_t item_first = first_visible_key(slen - qlen, p.window);
       // Tiles of up to kTile keys inside one cache block, so no key index is divided per key.
-      for (int64_t block_start = 0; block_start < slen; block_start += p.block_size) {
+      for (int64_t block_start = item_first / p.block_size * p.block_size; block_start < slen;
+           block_start += p.block_size) {
         const int64_t block_base = table[block_start / p.block_size] * p.block_size;
         const int64_t block_keys = std::min(p.block_size, slen - block_start);
-        for (int64_t tile = 0; tile < block_keys; tile += kTile) {
+        const int64_t first_tile = std::max<int64_t>(0, item_first - block_start) / kTile * kTile;
+        for (int64_t tile = first_tile; tile < block_keys; tile += kTile) {
           const int64_t kv_start = block_start + tile, nkeys = std::min(kTile, block_keys - tile);
           prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
           const int64_t tile_at = (block_base + tile) * key_len + first_head * dim;
@@ -241,7 +251,11 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
             const int64_t r0 = head * head_rows, k0 = head * kTile * dim;
             for (int64_t r = r0; r < r0 + head_rows; ++r) {
               visible[r] = std::min(nkeys, last_key[r] - kv_start + 1);
-              if (visible[r] <= 0) continue;
+              tile_first[r] = std::max<int64_t>(0, first_key[r] - kv_start);
+              if (visible[r] <= tile_first[r]) {  // the tile lies wholly outside the row's keys
+                visible[r] = 0;
+                continue;
+              }
               float* scores = &probs[r * kTile];
 #ifdef __AVX512BF16__
               if (bf16_dot) {
@@ -252,7 +266,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
               if (!bf16_dot) {
                 float_tile_scores(&qf[r * dim], &kf[k0], visible[r], dim, scores);
               }
-              alpha[r] = softmax_tile(scores, visible[r], p.scale, m[r], l[r]);
+              alpha[r] = softmax_tile(scores, tile_first[r], visible[r], p.scale, m[r], l[r]);
             }
             accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows, width,
                             &acc[r0 * width]);
@@ -269,8 +283,9 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
 }
 
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                      at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale) {
+                      at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t window) {
   RECORD_FUNCTION("kvserve::decode_attention", {});  // named in torch profiler traces
+  TORCH_CHECK(window >= 0, "window must be a number of keys, or 0 for none");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, Hq, D] with a contiguous last dim");
   TORCH_CHECK(
       k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
@@ -296,7 +311,8 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
                               cu_seqlens_q.data_ptr<int64_t>(),
                               seq_ids.data_ptr<int64_t>(),
                               seq_ids.size(0),
-                              static_cast<float>(scale)};
+                              static_cast<float>(scale),
+                              window};
   KVSERVE_DISPATCH(q.scalar_type(), [&] {
     if (amx_decode_supported(problem) && decode_attention_amx(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache),
                                                               raw<scalar_t>(v_cache), raw<scalar_t>(out))) {
@@ -307,10 +323,11 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   });
 }
 
-bool amx_attention_applies(at::Tensor q, at::Tensor k_cache) {
+bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window) {
   DecodeProblem shape{};
   shape.dim = q.size(-1);
   shape.block_size = k_cache.size(1);
+  shape.window = window;
   return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && amx_decode_supported(shape);
 }
 

@@ -15,7 +15,13 @@ struct DecodeProblem {
   const int64_t *tables, *seq_lens, *cu_seqlens_q, *seq_ids;
   int64_t num_seqs;
   float scale;
+  int64_t window;  // a query at position p sees keys p - window + 1 .. p; 0: keys 0 .. p (no window)
 };
+
+// The first key a query at `position` sees: 0, or with a window its window's first key.
+inline int64_t first_visible_key(int64_t position, int64_t window) {
+  return window > 0 && position >= window ? position - window + 1 : 0;
+}
 
 // Where query row r of a KV head reads and writes: row r of KV head `kv_head` is new token
 // r / group of its sequence (0-based among the sequence's new tokens), query head
@@ -36,12 +42,12 @@ inline void store_normalized(T* __restrict dst, const float* __restrict acc, flo
   for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<T>(acc[i] * inv);
 }
 
-// One row's online-softmax step for a tile of `visible` keys: turns the raw scores q.k into
-// p_j = exp(scale * q.k_j - m_new), 0 past `visible`, where m_new is the running max including this
-// tile; adds their sum to l after rescaling it, and returns alpha = exp(m_old - m_new), the factor
-// the row's accumulator must be rescaled by. In the widest lanes the build has (one AVX-512 register
-// per tile, two AVX2 ones).
-inline float softmax_tile(float* __restrict scores, int64_t visible, float scale, float& m, float& l) {
+// One row's online-softmax step for keys `first` .. `visible` - 1 of a tile (first < visible; keys before
+// `first` lie outside the row's window): turns the raw scores q.k into p_j = exp(scale * q.k_j - m_new),
+// 0 outside those keys, where m_new is the running max including this tile; adds their sum to l after
+// rescaling it, and returns alpha = exp(m_old - m_new), the factor the row's accumulator must be rescaled
+// by. In the widest lanes the build has (one AVX-512 register per tile, two AVX2 ones).
+inline float softmax_tile(float* __restrict scores, int64_t first, int64_t visible, float scale, float& m, float& l) {
   using V = WideLanes;
   constexpr int64_t lanes = sizeof(V) / sizeof(float), parts = kTile / lanes;
   static_assert(kTile % lanes == 0, "a tile is whole registers");
@@ -49,6 +55,7 @@ inline float softmax_tile(float* __restrict scores, int64_t visible, float scale
   V s[parts], max_so_far = floor;
   for (int64_t i = 0; i < parts; ++i) {  // scores past `visible` are not defined: -1e30 for the max
     s[i] = lanes_first(visible - i * lanes, lanes_load(scores + i * lanes, V{}) * splat<V>(scale), floor);
+    s[i] = lanes_first(first - i * lanes, floor, s[i]);  // nor are those before `first` seen
     max_so_far = lanes_max(max_so_far, s[i]);
   }
   const float tile_max = reduce_max(max_so_far);
@@ -56,7 +63,8 @@ inline float softmax_tile(float* __restrict scores, int64_t visible, float scale
   const float alpha = fast_exp(m - m_new);
   V sum = splat<V>(0.f);
   for (int64_t i = 0; i < parts; ++i) {  // and 0 after the exp
-    const V p = lanes_first(visible - i * lanes, fast_exp(s[i] - splat<V>(m_new)), splat<V>(0.f));
+    V p = lanes_first(visible - i * lanes, fast_exp(s[i] - splat<V>(m_new)), splat<V>(0.f));
+    p = lanes_first(first - i * lanes, splat<V>(0.f), p);
     lanes_store(scores + i * lanes, p);
     sum = sum + p;
   }

@@ -212,8 +212,10 @@ bool softmax_row_by_row(const float* scores_t, const int32_t* last_key, int64_t 
 
 }  // namespace
 
+// No window here: a windowed layer's rows take the vector kernel (decode_attention.cpp), which has one.
 bool amx_decode_supported(const DecodeProblem& p) {
-  return amx_enabled && (p.dim == 32 || p.dim == kMaxDim) && p.block_size % kTile == 0 && amx_permitted();
+  return amx_enabled && p.window == 0 && (p.dim == 32 || p.dim == kMaxDim) && p.block_size % kTile == 0 &&
+         amx_permitted();
 }
 
 // One past the last key a chunk of query rows sees: its last row (rows are in query_row's order, so

@@ -37,7 +37,7 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
                          std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
                          at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
                          at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv) {
+                         int64_t hkv, std::vector<int64_t> windows) {
   RECORD_FUNCTION("kvserve::decode_layers", {});  // named in torch profiler traces
   TORCH_CHECK(!layers.empty() && layers.size() % kTensorsPerLayer == 0, "layers must hold ", kTensorsPerLayer,
               " tensors per layer");
@@ -47,6 +47,7 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
               "tiles must be empty or hold ", kTilesPerLayer, " per layer");
   TORCH_CHECK(block_types.empty() || static_cast<int64_t>(block_types.size()) >= num_layers * kTilesPerLayer,
               "block_types must be empty or hold one per projection");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) >= num_layers, "windows must hold one per layer (0: none)");
   const int64_t t = h.size(0), dim = cos.size(1), q_size = hq * dim;
   const auto dtype = kv_cache.scalar_type();
   // Per layer: qkv_proj, o_proj, gate_up_proj, down_proj weights, then attn_norm, mlp_norm (float32).
@@ -67,7 +68,7 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
     rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv);
     at::Tensor o = at::empty({t, hq, dim}, qkv.options());
     decode_attention(o, qkv.narrow(1, 0, q_size).view({t, hq, dim}), k_cache, v_cache, block_tables, seq_lens,
-                     cu_seqlens_q, seq_ids, scale);
+                     cu_seqlens_q, seq_ids, scale, windows[i]);
     x = add_rms_norm(h, product(o.view({t, q_size}), i, 1), weight(i, 5), eps, dtype);
     const at::Tensor& next_norm = i + 1 < num_layers ? weight(i + 1, 4) : final_norm;
     x = add_rms_norm(h, product(product(x, i, 2), i, 3), next_norm, eps, dtype);

@@ -14,14 +14,15 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor argmax_rows(at::Tensor logits);
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                      at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale);
+                      at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t window);
 // Whether decode_attention may use the AMX kernel where it applies (the default); returns the previous
 // setting. For tests and benchmarks that compare it with the AVX-512 kernel.
 bool set_amx_attention(bool enabled);
 // Whether decode_attention runs q [T, Hq, D] over k_cache [blocks, block_size, Hkv, D] on the AMX
-// kernel (dtype, head dim and block size allowed, AMX available and enabled). That kernel also takes
-// prefill rows, which the vector kernel is not meant for.
-bool amx_attention_applies(at::Tensor q, at::Tensor k_cache);
+// kernel (dtype, head dim and block size allowed, AMX available and enabled; a windowed layer never
+// does: see amx_decode_supported). That kernel also takes prefill rows, which the vector kernel is not
+// meant for.
+bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window);
 // The most rows of x gemv_bf16 takes: past two rows oneDNN's packed kernels are as fast (the weight is
 // no longer the only cost; figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kGemvMaxRows = 2;
@@ -41,12 +42,12 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved);
 // `block_types`: none (every projection a bf16 matrix), or per layer the GGML block type of each of the
 // four projections, whose tensors are then their GGUF blocks (quant_gemv / quant_linear multiply them).
-// The activations are in the KV cache's dtype.
+// The activations are in the KV cache's dtype. `windows`: per layer its sliding window in keys, 0 for none.
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
                          std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
                          at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
                          at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv);
+                         int64_t hkv, std::vector<int64_t> windows);
 
 }  // namespace kvserve
