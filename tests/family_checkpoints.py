@@ -167,9 +167,19 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def write_gguf(family: str, model, path: Path) -> None:
-    """The HF model as llama.cpp's converter writes it (float32 tensors), for the llama, qwen2 and qwen3 families."""
+def write_gguf(family: str, model, path: Path, block_types: dict | None = None) -> None:
+    """The HF model as llama.cpp's converter writes it, for the llama, qwen2 and qwen3 families: float32
+    tensors, except the matrices `block_types` names (HF stem such as "self_attn.v_proj", or
+    "embed_tokens" / "lm_head" -> GGMLQuantizationType), quantized with the gguf package's own quantizer."""
     from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    def add(writer: GGUFWriter, name: str, stem: str, array: np.ndarray) -> None:
+        qtype = (block_types or {}).get(stem)
+        if qtype is None:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+        else:
+            writer.add_tensor(name, quantize(np.ascontiguousarray(array), qtype), raw_dtype=qtype)
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -195,12 +205,12 @@ def write_gguf(family: str, model, path: Path) -> None:
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
         if name == "model.embed_tokens.weight":
-            writer.add_tensor("token_embd.weight", array)
+            add(writer, "token_embd.weight", "embed_tokens", array)
         elif name == "model.norm.weight":
             writer.add_tensor("output_norm.weight", array)
         elif name == "lm_head.weight":
             if not config.tie_word_embeddings:
-                writer.add_tensor("output.weight", array)
+                add(writer, "output.weight", "lm_head", array)
         else:
             layer, part = name.removeprefix("model.layers.").split(".", 1)
             stem, suffix = part.rsplit(".", 1)
@@ -208,7 +218,7 @@ def write_gguf(family: str, model, path: Path) -> None:
                 array = _llama_cpp_permute(array, config.num_attention_heads)
             elif family == "llama" and stem == "self_attn.k_proj":
                 array = _llama_cpp_permute(array, config.num_key_value_heads)
-            writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER_NAMES[stem]}.{suffix}", np.ascontiguousarray(array))
+            add(writer, f"blk.{layer}.{_GGUF_LAYER_NAMES[stem]}.{suffix}", stem, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -10,7 +10,7 @@ is faster still. From 3 to AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's tile k
 (kernels/cpu/linear_amx.cpp) beats oneDNN. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 Anything else (CUDA, a torch without the op) uses F.linear. `make_linear` builds a plain projection;
 `make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels. Weights kept in
-GGUF blocks (QuantizedTensor) go to the quantized kernels (quantized_linear.py).
+GGUF blocks (quantized.Quantized) go to the quantized kernels (quantized_linear.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu
-from kvserve.model.quantized import QuantizedTensor
+from kvserve.model.quantized import Quantized, QuantizedTensor, StackedQuantizedTensor
 from kvserve.model.quantized_linear import make_quantized_linear
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
@@ -128,10 +128,10 @@ def _in_compute_dtype(linear: LinearFn, compute: torch.dtype, out: torch.dtype) 
     return lambda x: linear(x.to(compute)).to(out)
 
 
-def make_linear(weight: torch.Tensor | QuantizedTensor, large_rows: bool = True) -> LinearFn:
+def make_linear(weight: torch.Tensor | Quantized, large_rows: bool = True) -> LinearFn:
     """A function computing F.linear(x, weight) (no bias), as fast as this device allows; `large_rows`:
     it may be given more than LARGE_ROWS rows (see _packed_for_rows)."""
-    if isinstance(weight, QuantizedTensor):
+    if isinstance(weight, QuantizedTensor | StackedQuantizedTensor):
         return make_quantized_linear(weight)
     compute = _onednn_compute_dtype(weight)
     if compute is None:
@@ -145,14 +145,14 @@ def make_linear(weight: torch.Tensor | QuantizedTensor, large_rows: bool = True)
     return _with_few_row_kernels(weight, product)
 
 
-def make_gated_up(weight: torch.Tensor | QuantizedTensor, silu_mul: LinearFn) -> LinearFn:
+def make_gated_up(weight: torch.Tensor | Quantized, silu_mul: LinearFn) -> LinearFn:
     """A function computing silu(x @ gate^T) * (x @ up^T) for weight = [gate; up] ([2I, K]), where
     `silu_mul` maps the product [T, 2I] to that. Its kernels apply the silu and the multiplication to
     the float32 results while they are in cache; a separate silu_mul pass read the [T, 2I] product back
     from memory. linear_amx does it in its epilogue; oneDNN, for more rows (prefill chunks), as two products
     with a silu and a multiply epilogue (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
     The GEMV (1-2 rows) stays a product and a silu_mul."""
-    if isinstance(weight, QuantizedTensor):
+    if isinstance(weight, QuantizedTensor | StackedQuantizedTensor):
         return make_quantized_linear(weight, silu_mul)
     compute = _onednn_compute_dtype(weight)
     if compute is None:

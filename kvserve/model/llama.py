@@ -29,7 +29,7 @@ from kvserve.model.linear import (
     make_linear,
 )
 from kvserve.model.progress import progress
-from kvserve.model.quantized import QuantizedTensor
+from kvserve.model.quantized import block_parts
 from kvserve.model.quantized_linear import make_embedding
 from kvserve.model.rope import rope_tables
 from kvserve.model.weights import LayerWeights, ModelWeights
@@ -69,7 +69,7 @@ class LlamaModel:
         ]
         self.lm_head = make_linear(self.weights.lm_head, large_rows=False)  # one row per sampled token
         self.embed = make_embedding(self.weights.embed_tokens)
-        self.quantized = any(isinstance(m, QuantizedTensor) for m in self.weights.matrices())
+        self.quantized = any(block_parts(m) for m in self.weights.matrices())
         if device.type == "cpu":
             self._stream_from_huge_pages()
         # The residual stream and the norms stay in float32 whatever the weights' dtype: summing 30
@@ -118,8 +118,8 @@ class LlamaModel:
         and their AMX tiles (what linear_amx reads), each in one buffer on huge pages, in the order a
         decode step streams them (huge_pages.py)."""
         streamed = [w for layer in self.weights.layers for w in projection_weights(layer)] + [self.weights.lm_head]
-        move_into_one_buffer(w for w in streamed if not isinstance(w, QuantizedTensor))
-        move_into_one_buffer(w.blocks for w in streamed if isinstance(w, QuantizedTensor))
+        move_into_one_buffer(w for w in streamed if isinstance(w, torch.Tensor))
+        move_into_one_buffer(part.blocks for w in streamed for part in block_parts(w))
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
         move_into_one_buffer(p.tiles for p in products if isinstance(p, KernelLinear) and p.tiles is not None)
 

@@ -9,6 +9,7 @@ these blocks is `dequantize` (gguf.quants.dequantize, float32).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,3 +79,52 @@ class QuantizedTensor:
             raise ValueError("QuantizedTensor.cat takes tensors of one block type and one K")
         blocks = torch.cat([p.blocks for p in parts], dim=0)
         return QuantizedTensor(blocks, first.qtype, (blocks.shape[0], first.shape[1]))
+
+
+@dataclass(frozen=True)
+class StackedQuantizedTensor:
+    """A fused projection whose parts the file stores in different block types (llama.cpp's mixes do
+    this: Gemma 3's Q4_K_M file has q and k in Q5_0 and v in Q8_0). A product runs one block type, so
+    each part stays as the file has it and a product over this runs once per part, on its rows.
+
+    Invariant: at least two parts, all with the same K, neighbours of different block types (`stack_rows`
+    joins neighbours of one type)."""
+
+    parts: tuple[QuantizedTensor, ...]
+
+    def __post_init__(self) -> None:
+        neighbours = zip(self.parts, self.parts[1:], strict=False)
+        if len(self.parts) < 2 or any(a.qtype == b.qtype or a.shape[1] != b.shape[1] for a, b in neighbours):
+            raise ValueError("StackedQuantizedTensor takes parts of one K, neighbours of different block types")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], dim=0)
+
+
+Quantized = QuantizedTensor | StackedQuantizedTensor
+
+
+def stack_rows(parts: Sequence[QuantizedTensor]) -> Quantized:
+    """The parts' rows stacked (a fused projection): one QuantizedTensor where they share a block type,
+    else a StackedQuantizedTensor of the runs of neighbouring parts that share one (q|k, v)."""
+    runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.qtype)]
+    if len(runs) == 1:
+        return QuantizedTensor.cat(parts)
+    return StackedQuantizedTensor(tuple(QuantizedTensor.cat(run) for run in runs))
+
+
+def block_parts(weight: object) -> list[QuantizedTensor]:
+    """The QuantizedTensors `weight` is made of: itself, its parts, or none for a dense tensor."""
+    if isinstance(weight, QuantizedTensor):
+        return [weight]
+    if isinstance(weight, StackedQuantizedTensor):
+        return list(weight.parts)
+    return []

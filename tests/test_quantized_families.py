@@ -1,0 +1,105 @@
+"""Every family read from GGUF keeps its matrices in blocks (`quantization="auto"`), on tiny random
+checkpoints written with the mixed block types llama.cpp's quantization mixes use: fused q|k|v and
+gate|up whose parts differ in block type stay in their blocks, part by part (StackedQuantizedTensor).
+The reference is kvserve over the same file dequantized, in float32.
+
+Steps of more than GEMV_MAX_ROWS rows (prefill, batched decode) take the panel product, which differs
+from dequantize-then-matmul only in summation order: there logprobs and greedy tokens are the
+reference's. Batch-1 decode takes the GEMV, whose activations are quantized to int8 per 32 values (as
+llama.cpp's are): on these checkpoints, drawn for sharp attention and large logits, that moves
+logprobs by up to about one nat, so one-at-a-time decoding is held to a teacher-forced agreement bound.
+Gemma 3's real Q4_K_M file: tests/test_gemma3_270m.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.quantized import QuantizedTensor, StackedQuantizedTensor
+from kvserve.model.quantized_linear import quantized_kernels
+from kvserve.model.registry import load_model
+from tests.family_checkpoints import VOCAB, save_checkpoint, write_gguf
+
+pytestmark = pytest.mark.skipif(quantized_kernels() is None, reason="the quantized kernels need AVX2, FMA, F16C")
+# q and k in one type, v in another (as Q4_K_M files do), gate and up apart too; lm_head applies only
+# where the family's head is untied (Qwen2 here).
+BLOCK_TYPES = {
+    "self_attn.q_proj": Q.Q8_0,
+    "self_attn.k_proj": Q.Q8_0,
+    "self_attn.v_proj": Q.Q5_0,
+    "self_attn.o_proj": Q.Q4_0,
+    "mlp.gate_proj": Q.Q8_0,
+    "mlp.up_proj": Q.Q4_1,
+    "mlp.down_proj": Q.Q5_0,
+    "embed_tokens": Q.Q8_0,
+    "lm_head": Q.Q8_0,
+}
+NEW_TOKENS = 32
+# Share of batch-1 decoded tokens that are the reference's greedy choice given the same context; the
+# test prints what these checkpoints give. The real Gemma 3 file is held to the issue's 0.99.
+MIN_GEMV_AGREEMENT = 0.95
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+_gen = torch.Generator().manual_seed(11)
+PROMPTS = [torch.randint(3, VOCAB, (n,), generator=_gen).tolist() for n in (3, 20, 41)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def quantized_gguf(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    model = save_checkpoint(request.param, directory)
+    write_gguf(request.param, model, directory / "model.gguf", BLOCK_TYPES)
+    return directory / "model.gguf"
+
+
+def test_mixed_fused_parts_stay_in_their_blocks(quantized_gguf):
+    weights = load_model(str(quantized_gguf)).load_weights(torch.float32, keep_quantized=True)
+    dense = load_model(str(quantized_gguf)).load_weights(torch.float32)
+    layer, dense_layer = weights.layers[1], dense.layers[1]
+    assert isinstance(layer.qkv_proj, StackedQuantizedTensor)
+    assert [p.qtype for p in layer.qkv_proj.parts] == [Q.Q8_0, Q.Q5_0]  # q|k fused, v apart
+    assert [p.qtype for p in layer.gate_up_proj.parts] == [Q.Q8_0, Q.Q4_1]
+    assert isinstance(layer.o_proj, QuantizedTensor) and layer.o_proj.qtype == Q.Q4_0
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):  # the same values as the dense load
+        torch.testing.assert_close(getattr(layer, name).dequantize(), getattr(dense_layer, name), rtol=0, atol=0)
+
+
+def test_prompt_logprobs_over_the_blocks_are_the_dequantized_engines(quantized_gguf):
+    """Every position of a 73-token sequence through the panel product: the family's whole layer
+    (fused parts in order, q/k rows un-permuted, biases, head norms) over the blocks."""
+    sequence = PROMPTS[2] + PROMPTS[1] + list(range(3, 15))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    entries = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization=quantization)
+        entries[quantization] = llm.generate([sequence], params)[0].prompt_logprobs[1:]
+    for blocks, dense in zip(entries["auto"], entries["none"], strict=True):
+        assert [t for t, _ in blocks.top] == [t for t, _ in dense.top]
+        torch.testing.assert_close([lp for _, lp in blocks.top], [lp for _, lp in dense.top], rtol=0, atol=1e-3)
+
+
+def test_batched_greedy_tokens_are_the_dequantized_engines(quantized_gguf):
+    """Three rows per decode step: the panel product throughout."""
+    outputs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization=quantization)
+        outputs[quantization] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert outputs["auto"] == outputs["none"]
+
+
+def test_one_at_a_time_decoding_follows_the_dequantized_engine(quantized_gguf):
+    """Batch-1 decode steps on the GEMV (int8 activations): at each position of the output, given the
+    tokens before it, the reference's greedy token is the one decoded (the reference runs teacher-forced
+    through its prompt logprobs; a forced request's own token would come from a prefill step instead)."""
+    llm = LLM(model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization="auto")
+    reference = LLM(model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    agree = 0
+    for prompt in PROMPTS:
+        output = llm.generate([prompt], GREEDY)[0].token_ids
+        entries = reference.generate([prompt + output], params)[0].prompt_logprobs[len(prompt) :]
+        agree += sum(entry.top[0][0] == token for entry, token in zip(entries, output, strict=True))
+    agreement = agree / (len(PROMPTS) * NEW_TOKENS)
+    print(f"agreement of batch-1 decoding over the blocks with the reference {agreement:.3f}")
+    assert agreement >= MIN_GEMV_AGREEMENT
