@@ -23,7 +23,8 @@ def print_tables(results: dict[str, Any]) -> None:
     roofs.print_table(results["roofs"])
     roof = results["row_roofs"]
     print(
-        f"\nkvserve ran {results['cpu_path']}, {results['dtype']}, quantization {results['quantization']}: "
+        f"\nkvserve ran {results['cpu_path']}, {results['dtype']}, quantization {results['quantization']} "
+        f"({'weights in GGUF blocks' if results['quantized'] else 'dense weights'}): "
         f"a decode step reads {roof['weight_bytes_per_step'] / 1e6:.1f} MB of weights; rows' roofs take this "
         f"path's {roof['gemm']} GEMM rate and its huge-page stream"
     )
@@ -50,10 +51,10 @@ def print_offline_rows(results: dict[str, Any]) -> None:
 
 def print_batch1(b1: dict[str, Any], roof: dict[str, Any]) -> None:
     print(
-        f"\n## batch-1 decode: TPOT {b1['tpot_ms']:.1f} ms, roof {roof['tpot_ms']:.1f} ms ({roof['bound']}-bound): "
-        f"{_share(b1['share_of_roof'])} of the roof; per step {b1['profiled_step_ms']:.1f} ms under the "
-        f"profiler, of which matmuls {b1['matmul_ms_per_step']:.1f} ms, "
-        f"everything else {b1['overhead_ms_per_step']:.1f} ms"
+        f"\n## batch-1 decode: TPOT p50 {b1['tpot_p50_ms']:.1f} ms (mean {b1['tpot_ms']:.1f}), "
+        f"roof {roof['tpot_ms']:.1f} ms ({roof['bound']}-bound): {_share(b1['share_of_roof'])} of the roof; "
+        f"per step {b1['profiled_step_ms']:.1f} ms under the profiler, of which matmuls "
+        f"{b1['matmul_ms_per_step']:.1f} ms, everything else {b1['overhead_ms_per_step']:.1f} ms"
     )
 
 

@@ -5,7 +5,7 @@ least its bytes over the stream bandwidth (huge pages, as kvserve's weights and 
 FLOPs over the GEMM rate, whichever is longer.
 
 - Batch-1 decode: TPOT roof = the mean over the measured steps (contexts prompt+1 .. prompt+output-1) of
-  max(step bytes / stream, token FLOPs / GEMM); share = TPOT roof / measured TPOT.
+  max(step bytes / stream, token FLOPs / GEMM); share = TPOT roof / measured TPOT (p50).
 - A batch of requests served at once (offline 64 x 128/128, served 100 x 128/128): every request in one
   batch, so the weights are read once per step (the prompts' step, then each decode step); the FLOPs are
   every token's the batch computes, prompts included (their attention too; the LM head only where logits
