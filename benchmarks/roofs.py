@@ -7,9 +7,9 @@ executes (`measure_path`), since torch reads its caps once per process.
   kvserve's linear layers run, whose ISA the path caps), else torch.matmul where oneDNN cannot take the
   dtype (bf16 on a CPU without native bf16). Not torch.matmul throughout: its float32 product is MKL's,
   which the path's caps do not reach on every CPU. Sizes double from 256 up to --gemm-n, stopping before
-  one whose product would take over GEMM_BUDGET_S (an 8th of it for the previous size): without native
-  bf16 a 2048-square bf16 product runs for a minute. The figure is the best of GEMM_REPEATS at the
-  largest size run, after a warm-up.
+  one whose product would take over GEMM_BUDGET_S (8 times the previous size's): without native bf16,
+  torch's bf16 product is far too slow to run at full size (benchmarks/RESULTS.md, "Roofs per CPU path").
+  The figure is the best of GEMM_REPEATS at the largest size run, after a warm-up.
 - Stream: a full read of a float32 buffer (`sum`, multithreaded; float32 rather than bf16, whose sum
   widens each element first and reads slower), the best of STREAM_REPEATS after a first read. The huge
   page buffer is kvserve's own (model/huge_pages.py: madvise(MADV_HUGEPAGE) before the first touch); the
