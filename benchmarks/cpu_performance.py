@@ -6,6 +6,9 @@ Rows:
 - offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py);
 - batch-1 decode: one 128-token prompt, 128 outputs: TPOT, and per-step time outside matrix products
   (the Python/op overhead, from the torch profiler over a few steps);
+- roofs: this machine's GEMM rates and stream bandwidth, probed in this run for every CPU path it executes
+  (roofs.py), and each row's share of its roof on the path kvserve ran (row_roofs.py: batch-1 TPOT, the
+  offline and all-at-once rows' tok/s; Poisson arrivals have none), peers' rows against the same roof;
 - bf16 vs float32 greedy agreement, kvserve's and HF's (benchmarks/dtype_agreement.py; always on the
   default model, which has a chat template: --model chooses the model of the other rows);
 - served: `kvserve serve` started here, driven by kvserve's replay client (`kvserve bench serve`):
@@ -15,9 +18,15 @@ Rows:
 Prints a table of output tok/s, TTFT and TPOT p50/p99, failures, the replay client's own CPU seconds
 and peak RSS, with ratios to kvserve; writes JSON.
 
-    python benchmarks/cpu_performance.py [--model gemma3-270m] [--dtype bfloat16] [--skip-hf] [--skip-served]
+    python benchmarks/cpu_performance.py [--model gemma3-270m] [--dtype bfloat16] [--quantization auto]
+        [--cpu-path avx2] [--skip-hf] [--skip-served] [--served-only | --batch1-only] [--repeat N]
         [--peer vllm=http://127.0.0.1:8001 --peer llamacpp=http://127.0.0.1:8002]
-        [--peer-launch vllm="COMMAND that starts it" ...] [--served-only] [--repeat N]
+        [--peer-launch vllm="COMMAND that starts it" ...]
+
+--cpu-path forces kvserve's own rows onto one CPU path (KVSERVE_CPU_ISA; default: the CPU's best): the
+server it starts, and this process's in-process rows, whose torch is capped to the path (isa.cap_torch)
+before it computes anything, as kvserve's CLI does. Peers and the roof probes run in an environment
+without it.
 
 With --repeat N the served rows run in N rounds (fresh prompts each round); each round runs every
 engine's rows in turn, each server started for its round and stopped after it. The offline row runs N
@@ -29,6 +38,7 @@ and a second table gives each row's median tok/s and median ratio to kvserve.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -42,18 +52,28 @@ from typing import Any
 
 import dtype_agreement
 import httpx
+import roofs
+import row_roofs
 import torch
-from offline_throughput import offline_rounds, print_rounds, random_prompts
+from cpu_performance_tables import print_tables
+from offline_throughput import offline_rounds, random_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.generators import LengthDist, random_workload
 from kvserve.bench.metrics import summarize
 from kvserve.bench.replay import ReplayConfig, replay
+from kvserve.config import QUANTIZATIONS
+from kvserve.engine.platform import keeps_quantized
 from kvserve.kernels import cpu
-from kvserve.model.registry import DEFAULT_MODEL
+from kvserve.kernels.cpu import build_config
+from kvserve.kernels.cpu import isa as cpu_isa
+from kvserve.model.decode_cost import DecodeCost
+from kvserve.model.registry import DEFAULT_MODEL, load_model
 
-MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "kvserve::gemv_bf16")
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "kvserve::gemv_bf16", "kvserve::quant_gemv")
+PROMPT_LEN = OUTPUT_LEN = 128  # every row's
+OFFLINE_REQUESTS = 64
 SERVED_RUNS = {  # name: (requests, rate per second, max concurrency, seed)
     "served 100x128/128 all at once": (100, float("inf"), None, 1),
     "served Poisson 2 req/s x 60": (60, 2.0, None, 2),
@@ -61,13 +81,16 @@ SERVED_RUNS = {  # name: (requests, rate per second, max concurrency, seed)
 }
 
 
-def batch1_decode(dtype: str, model: str, prompt_len: int = 128, output_len: int = 128) -> dict[str, Any]:
-    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False)
+def batch1_decode(dtype: str, model: str, quantization: str) -> dict[str, Any]:
+    llm = LLM(model=model, dtype=dtype, quantization=quantization, enable_prefix_caching=False)
+    prompt_len, output_len = PROMPT_LEN, OUTPUT_LEN
     prompt = random_prompts(1, prompt_len, seed=5)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))[0]
     times = out.metrics.token_times
     tpot = (times[-1] - times[0]) / (len(times) - 1)
+    # The median interval too: one burst of other work on the shared cores moves the mean, not the median.
+    tpot_p50 = statistics.median(later - earlier for earlier, later in itertools.pairwise(times))
 
     engine = llm.engine
     engine.add_request("profiled", prompt[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -84,6 +107,7 @@ def batch1_decode(dtype: str, model: str, prompt_len: int = 128, output_len: int
         engine.step()
     return {
         "tpot_ms": tpot * 1000,
+        "tpot_p50_ms": tpot_p50 * 1000,
         "profiled_step_ms": wall * 1000,
         "matmul_ms_per_step": matmul_us / 1000,
         "overhead_ms_per_step": wall * 1000 - matmul_us / 1000,
@@ -121,12 +145,15 @@ def wait_until_ready(proc: subprocess.Popen, url: str, path: str, name: str, tim
     raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s")
 
 
-def start_kvserve(dtype: str, threads: int | None, model: str) -> tuple[subprocess.Popen, str]:
+def start_kvserve(
+    dtype: str, threads: int | None, model: str = DEFAULT_MODEL, quantization: str = "none"
+) -> tuple[subprocess.Popen, str]:
     # The first start after a kernel source change compiles them (~4 min on 2 cores): done here, so the
     # server finds them built and its start-up timeout measures only its own start-up.
     cpu.load()
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", str(port), "--dtype", dtype]
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", str(port), "--dtype", dtype,
+           "--quantization", quantization]  # fmt: skip
     if threads:
         cmd += ["--num-threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -135,9 +162,11 @@ def start_kvserve(dtype: str, threads: int | None, model: str) -> tuple[subproce
     return proc, url
 
 
-def kvserve_rows(dtype: str, threads: int | None, model: str, repeat: int) -> tuple[list[dict[str, Any]], float | None]:
+def kvserve_rows(
+    dtype: str, threads: int | None, model: str, quantization: str, repeat: int
+) -> tuple[list[dict[str, Any]], float | None]:
     """One round of the served rows against a `kvserve serve` started for it, and the server's peak RSS."""
-    proc, url = start_kvserve(dtype, threads, model)
+    proc, url = start_kvserve(dtype, threads, model, quantization)
     try:
         rows = served_rows("kvserve", url, served_model(url), repeat)
     finally:
@@ -147,12 +176,14 @@ def kvserve_rows(dtype: str, threads: int | None, model: str, repeat: int) -> tu
     return rows, peak_rss_mb
 
 
-def peer_rows(name: str, url: str, model: str | None, launch: str | None, repeat: int) -> list[dict[str, Any]]:
-    """One round of the served rows against a peer; with `launch` (a shell line) the peer is started just
-    before and stopped just after, so no two servers share the cores while either is measured."""
+def peer_rows(
+    name: str, url: str, model: str | None, launch: str | None, env: dict[str, str], repeat: int
+) -> list[dict[str, Any]]:
+    """One round of the served rows against a peer; with `launch` (a shell line, run in `env`) the peer is
+    started just before and stopped just after, so no two servers share the cores while either is measured."""
     proc = None
     if launch:
-        proc = subprocess.Popen(launch, shell=True, start_new_session=True, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(launch, shell=True, start_new_session=True, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)  # fmt: skip
         wait_until_ready(proc, url, "/v1/models", name, 600)
     try:
@@ -168,26 +199,16 @@ def served_model(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def memory_gb_s() -> float:
-    """This machine's memory read speed now: two threads summing 270 MB of bf16 (the model's weights).
-    Every row here is memory-bound and this VM's figure moves 2x within a session, so each engine's
-    rows carry the figure measured just before them."""
-    x = torch.ones(135_000_000, dtype=torch.bfloat16)
-    x.sum()
-    start = time.perf_counter()
-    for _ in range(3):
-        x.sum()
-    return 3 * x.numel() * 2 / (time.perf_counter() - start) / 1e9
-
-
 def served_rows(name: str, url: str, model: str, repeat: int) -> list[dict[str, Any]]:
-    """SERVED_RUNS in order, one row each, tagged with the round `repeat`."""
-    machine = memory_gb_s()
+    """SERVED_RUNS in order, one row each, tagged with the round `repeat`. This VM's memory speed moves 2x
+    within a session, so each engine's rows carry the stream bandwidth (roofs.py) measured just before them."""
+    machine = roofs.stream_read(2**30, huge_pages=True)["gb_s"]
     rows = []
     for run, (count, rate, concurrency, run_seed) in SERVED_RUNS.items():
         # Fresh prompts per run and repeat (a different seed): none is served from a warm prefix cache.
         seed = run_seed + 1000 * repeat
-        workload = random_workload(count, rate, LengthDist.parse("128"), LengthDist.parse("128"), seed=seed)
+        lengths = LengthDist.parse(str(PROMPT_LEN)), LengthDist.parse(str(OUTPUT_LEN))
+        workload = random_workload(count, rate, *lengths, seed=seed)
         cfg = ReplayConfig(base_url=url, model=model, max_concurrency=concurrency, warmup=2, quiet=True, seed=seed)
         started_at = time.time()
         client_cpu_start = time.process_time()
@@ -218,17 +239,56 @@ def served_rows(name: str, url: str, model: str, repeat: int) -> list[dict[str, 
     return rows
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    return "–" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+def decode_cost(model: str, dtype: str, quantization: str) -> DecodeCost:
+    """What decoding costs `model` as kvserve's rows ran it (model/decode_cost.py), from its loaded weights."""
+    loaded = load_model(model)
+    torch_dtype = getattr(torch, dtype)
+    cpu_device = torch.device("cpu")
+    weights = loaded.load_weights(torch_dtype, keeps_quantized(quantization, cpu_device)).to(torch_dtype, cpu_device)
+    return DecodeCost.of(weights, loaded.config, torch_dtype)
+
+
+def attach_shares(results: dict[str, Any], path_roofs: dict[str, Any], cost: DecodeCost) -> None:
+    """Each row's roof on kvserve's path and its share of it (row_roofs.py), written into its results."""
+    gemm, gemm_kind = row_roofs.gemm_rate(path_roofs, results["dtype"], results["quantized"])
+    batch1 = row_roofs.batch1_roof(cost, path_roofs, gemm, PROMPT_LEN, OUTPUT_LEN)
+    results["row_roofs"] = {"gemm": gemm_kind, "weight_bytes_per_step": cost.weight_bytes, "batch1": batch1}
+    if "batch1" in results:
+        results["batch1"]["share_of_roof"] = batch1["tpot_ms"] / results["batch1"]["tpot_p50_ms"]
+    if "offline" in results:
+        roof = row_roofs.batch_roof(cost, path_roofs, gemm, OFFLINE_REQUESTS, PROMPT_LEN, OUTPUT_LEN)
+        results["row_roofs"]["offline"] = roof
+        for engines in results["offline"]["rounds"]:
+            for row in engines.values():
+                row["share_of_roof"] = row["output_tok_s"] / roof["output_tok_s"]
+    for row in results["served"]:
+        count, rate, concurrency, _ = SERVED_RUNS[row["run"]]
+        if concurrency == 1:
+            row["share_of_roof"] = batch1["tpot_ms"] / row["tpot_p50_ms"] if row["tpot_p50_ms"] else None
+        elif rate == float("inf"):
+            roof = row_roofs.batch_roof(cost, path_roofs, gemm, count, PROMPT_LEN, OUTPUT_LEN)
+            results["row_roofs"][row["run"]] = roof
+            row["share_of_roof"] = row["output_tok_s"] / roof["output_tok_s"]
+        else:
+            row["share_of_roof"] = None  # arrivals over time: no single batch, no roof
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the bundled model kvserve's own rows run")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--quantization", default="none", choices=QUANTIZATIONS, help="kvserve's own rows' (as serve's)"
+    )
+    parser.add_argument(
+        "--cpu-path", default=None, choices=[isa.name for isa in build_config.executable_isas()],
+        help="force kvserve's own rows onto this CPU path (default: the CPU's best)",
+    )  # fmt: skip
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-served", action="store_true")
-    parser.add_argument("--served-only", action="store_true", help="skip the offline, batch-1 and dtype rows")
+    rows = parser.add_mutually_exclusive_group()
+    rows.add_argument("--served-only", action="store_true", help="skip the offline, batch-1 and dtype rows")
+    rows.add_argument("--batch1-only", action="store_true", help="only the roofs and the batch-1 row")
     parser.add_argument("--server-threads", type=int, default=None, help="torch threads of the kvserve server")
     parser.add_argument("--peer", action="append", default=[], help="NAME=URL of a running OpenAI-compatible server")
     parser.add_argument("--peer-model", default=None, help="model name the peers serve (default: ask /v1/models)")
@@ -244,11 +304,21 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
     args = parser.parse_args()
 
+    # The peers' and the roof probes' environment: without this run's forced path.
+    base_env = dict(os.environ)
+    if args.cpu_path:
+        os.environ[cpu_isa.ENV] = args.cpu_path
+    path = cpu_isa.selected()
+    cpu_isa.cap_torch(path)  # nothing here has computed with torch yet
     results: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
+        "quantized": keeps_quantized(args.quantization, torch.device("cpu")),
+        "cpu_path": path.describe(),
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "roofs": roofs.measure_every_path(base_env),
     }
     # The served rows run first, before this process loads and frees engines and HF models of its own.
     # Run after the bf16-vs-fp32 agreement rows, kvserve's first served run (all at once) was markedly
@@ -256,82 +326,36 @@ def main() -> None:
     # benchmarks/RESULTS.md, "Figures behind the code's rules"). Which resource of the VM that churn ties up was not
     # found (no CPU is used meanwhile); a server should not pay for its benchmark client's history.
     served: list[dict[str, Any]] = []
-    if not args.skip_served:
+    if not (args.skip_served or args.batch1_only):
         launches = dict(launch.split("=", 1) for launch in args.peer_launch)
         peak_rss: list[float] = []
         for repeat in range(args.repeat):
-            rows, peak_rss_mb = kvserve_rows(args.dtype, args.server_threads, args.model, repeat)
-            served += rows
+            rows_, peak_rss_mb = kvserve_rows(args.dtype, args.server_threads, args.model, args.quantization, repeat)
+            served += rows_
             peak_rss += [peak_rss_mb] if peak_rss_mb is not None else []
             for peer in args.peer:
                 name, _, peer_url = peer.partition("=")
-                served += peer_rows(name, peer_url, args.peer_model, launches.get(name), repeat)
+                served += peer_rows(name, peer_url, args.peer_model, launches.get(name), base_env, repeat)
         results["kvserve_server_peak_rss_mb"] = max(peak_rss, default=None)
     results["served"] = served
 
     if not args.served_only:
-        prompts = random_prompts(64, 128)
-        results["offline"] = offline_rounds(prompts, 128, args.dtype, args.repeat, not args.skip_hf, args.model)
-        results["batch1"] = batch1_decode(args.dtype, args.model)
-        results["bf16_vs_fp32"] = dtype_agreement.measure(with_hf=not args.skip_hf)
+        if not args.batch1_only:
+            prompts = random_prompts(OFFLINE_REQUESTS, PROMPT_LEN)
+            results["offline"] = offline_rounds(
+                prompts, OUTPUT_LEN, args.dtype, args.repeat, not args.skip_hf, args.model, args.quantization
+            )
+        results["batch1"] = batch1_decode(args.dtype, args.model, args.quantization)
+        if not args.batch1_only:
+            results["bf16_vs_fp32"] = dtype_agreement.measure(with_hf=not args.skip_hf)
 
-    if "offline" in results:
-        print_offline_rows(results, args.dtype)
-    if served:
-        print_served_rows(results, served)
+    path_roofs = next(r for r in results["roofs"] if r["path"] == path.isa.name)
+    attach_shares(results, path_roofs, decode_cost(args.model, args.dtype, args.quantization))
+    print_tables(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
-
-
-def print_offline_rows(results: dict[str, Any], dtype: str) -> None:
-    print(f"\n## offline 64 x 128/128, {dtype}, {results['threads']} threads")
-    print_rounds(results["offline"])
-    b1 = results["batch1"]
-    print(
-        f"\n## batch-1 decode: TPOT {b1['tpot_ms']:.1f} ms; per step {b1['profiled_step_ms']:.1f} ms under the "
-        f"profiler, of which matmuls {b1['matmul_ms_per_step']:.1f} ms, "
-        f"everything else {b1['overhead_ms_per_step']:.1f} ms"
-    )
-    dtype_agreement.print_table(results["bf16_vs_fp32"])
-
-
-def print_served_rows(results: dict[str, Any], served: list[dict[str, Any]]) -> None:
-    if served:
-        print("\n## served (kvserve replay client, token-id prompts, ignore EOS)")
-        print(
-            "| run | engine | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | failed | kvserve tok/s ratio "
-            "| machine GB/s before | client CPU s |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|")
-        base = {(r["run"], r["repeat"]): r["output_tok_s"] for r in served if r["engine"] == "kvserve"}
-        repeats = 1 + max(r["repeat"] for r in served)
-        for r in served:
-            ratio = base.get((r["run"], r["repeat"]), 0) / r["output_tok_s"] if r["output_tok_s"] else None
-            label = r["run"] + (f" #{r['repeat'] + 1}" if repeats > 1 else "")
-            print(
-                f"| {label} | {r['engine']} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_ms'])} / "
-                f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'])} / {_fmt(r['tpot_p99_ms'])} | {r['failed']} | "
-                f"{_fmt(ratio, 2)} | {_fmt(r['machine_memory_gb_s'])} | {r['client_cpu_s']:.2f} |"
-            )
-        if repeats > 1:
-            print_served_medians(served, base)
-        print(f"\nkvserve server peak RSS: {_fmt(results.get('kvserve_server_peak_rss_mb'))} MB")
-
-
-def print_served_medians(served: list[dict[str, Any]], base: dict[tuple[str, int], float]) -> None:
-    """Per run and engine, the median over repeats of tok/s and of the ratio kvserve / engine (each
-    ratio within one repeat)."""
-    print("\n| run | engine | median out tok/s | median kvserve tok/s ratio | repeats |\n|---|---|---|---|---|")
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in served:
-        groups.setdefault((r["run"], r["engine"]), []).append(r)
-    for (run, engine), rows in groups.items():
-        ratios = [base[(run, r["repeat"])] / r["output_tok_s"] for r in rows if r["output_tok_s"]]
-        tok_s = statistics.median(r["output_tok_s"] for r in rows)
-        ratio = statistics.median(ratios) if ratios else None
-        print(f"| {run} | {engine} | {tok_s:.1f} | {_fmt(ratio, 2)} | {len(rows)} |")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,11 @@ def random_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 32000) for _ in range(length)] for _ in range(count)]
 
 
-def load_kvserve(dtype: str, model: str = DEFAULT_MODEL) -> tuple[TimedBatch, Callable[[], dict]]:
+def load_kvserve(
+    dtype: str, model: str = DEFAULT_MODEL, quantization: str = "none"
+) -> tuple[TimedBatch, Callable[[], dict]]:
     """kvserve's engine, loaded and warmed up: its timed batch, and the engine facts to report."""
-    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False)
+    llm = LLM(model=model, dtype=dtype, quantization=quantization, enable_prefix_caching=False)
     llm.generate(random_prompts(2, 16, seed=99), SamplingParams(temperature=0, max_tokens=4))  # warm-up
 
     def timed(prompts: list[list[int]], output_len: int) -> tuple[float, int]:
@@ -91,12 +93,13 @@ def offline_rounds(
     repeat: int = 1,
     with_hf: bool = True,
     model: str = DEFAULT_MODEL,
+    quantization: str = "none",
 ) -> dict:
     """Both engines loaded once, then `repeat` rounds of one timed batch each, kvserve first. Returns the
     rounds ({engine: {seconds, output_tokens, output_tok_s}} each), kvserve's engine facts and, with HF,
     each round's ratio kvserve / HF and their median."""
     engines: dict[str, TimedBatch] = {}
-    engines["kvserve"], kvserve_facts = load_kvserve(dtype, model)
+    engines["kvserve"], kvserve_facts = load_kvserve(dtype, model, quantization)
     if with_hf:
         engines["hf-transformers"] = load_hf(dtype, model)
     rounds = []

@@ -1,0 +1,99 @@
+"""The tables benchmarks/cpu_performance.py prints from its results: the roofs, the offline and batch-1
+rows, the bf16-vs-fp32 agreement and the served rows, each row with its share of its roof."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import dtype_agreement
+import roofs
+from offline_throughput import print_rounds
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    return "–" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0%}"
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    roofs.print_table(results["roofs"])
+    roof = results["row_roofs"]
+    print(
+        f"\nkvserve ran {results['cpu_path']}, {results['dtype']}, quantization {results['quantization']} "
+        f"({'weights in GGUF blocks' if results['quantized'] else 'dense weights'}): "
+        f"a decode step reads {roof['weight_bytes_per_step'] / 1e6:.1f} MB of weights; rows' roofs take this "
+        f"path's {roof['gemm']} GEMM rate and its huge-page stream"
+    )
+    if "offline" in results:
+        print_offline_rows(results)
+    if "batch1" in results:
+        print_batch1(results["batch1"], roof["batch1"])
+    if "bf16_vs_fp32" in results:
+        dtype_agreement.print_table(results["bf16_vs_fp32"])
+    if results["served"]:
+        print_served_rows(results, results["served"])
+
+
+def print_offline_rows(results: dict[str, Any]) -> None:
+    print(f"\n## offline 64 x 128/128, {results['dtype']}, {results['threads']} threads")
+    print_rounds(results["offline"])
+    roof = results["row_roofs"]["offline"]
+    shares = "; ".join(
+        f"round {i + 1}: " + ", ".join(f"{engine} {_share(row['share_of_roof'])}" for engine, row in engines.items())
+        for i, engines in enumerate(results["offline"]["rounds"])
+    )
+    print(f"roof {roof['output_tok_s']:.0f} tok/s ({roof['bound']}-bound); share of it: {shares}")
+
+
+def print_batch1(b1: dict[str, Any], roof: dict[str, Any]) -> None:
+    print(
+        f"\n## batch-1 decode: TPOT p50 {b1['tpot_p50_ms']:.1f} ms (mean {b1['tpot_ms']:.1f}), "
+        f"roof {roof['tpot_ms']:.1f} ms ({roof['bound']}-bound): {_share(b1['share_of_roof'])} of the roof; "
+        f"per step {b1['profiled_step_ms']:.1f} ms under the profiler, of which matmuls "
+        f"{b1['matmul_ms_per_step']:.1f} ms, everything else {b1['overhead_ms_per_step']:.1f} ms"
+    )
+
+
+def print_served_rows(results: dict[str, Any], served: list[dict[str, Any]]) -> None:
+    print("\n## served (kvserve replay client, token-id prompts, ignore EOS)")
+    print(
+        "| run | engine | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | failed | kvserve tok/s ratio "
+        "| share of roof | machine GB/s before | client CPU s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base = {(r["run"], r["repeat"]): r["output_tok_s"] for r in served if r["engine"] == "kvserve"}
+    repeats = 1 + max(r["repeat"] for r in served)
+    for r in served:
+        ratio = base.get((r["run"], r["repeat"]), 0) / r["output_tok_s"] if r["output_tok_s"] else None
+        label = r["run"] + (f" #{r['repeat'] + 1}" if repeats > 1 else "")
+        print(
+            f"| {label} | {r['engine']} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_ms'])} / "
+            f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'])} / {_fmt(r['tpot_p99_ms'])} | {r['failed']} | "
+            f"{_fmt(ratio, 2)} | {_share(r['share_of_roof'])} | {_fmt(r['machine_memory_gb_s'])} | "
+            f"{r['client_cpu_s']:.2f} |"
+        )
+    print(
+        "share of roof: out tok/s of the all-at-once row against row_roofs.batch_roof, the batch-1 row's TPOT p50 "
+        "against the batch-1 roof; every engine against the roof of kvserve's path; Poisson rows have none"
+    )
+    if repeats > 1:
+        print_served_medians(served, base)
+    print(f"\nkvserve server peak RSS: {_fmt(results.get('kvserve_server_peak_rss_mb'))} MB")
+
+
+def print_served_medians(served: list[dict[str, Any]], base: dict[tuple[str, int], float]) -> None:
+    """Per run and engine, the median over repeats of tok/s and of the ratio kvserve / engine (each
+    ratio within one repeat)."""
+    print("\n| run | engine | median out tok/s | median kvserve tok/s ratio | repeats |\n|---|---|---|---|---|")
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in served:
+        groups.setdefault((r["run"], r["engine"]), []).append(r)
+    for (run, engine), rows in groups.items():
+        ratios = [base[(run, r["repeat"])] / r["output_tok_s"] for r in rows if r["output_tok_s"]]
+        tok_s = statistics.median(r["output_tok_s"] for r in rows)
+        ratio = statistics.median(ratios) if ratios else None
+        print(f"| {run} | {engine} | {tok_s:.1f} | {_fmt(ratio, 2)} | {len(rows)} |")
