@@ -17,13 +17,12 @@ import torch
 
 from kvserve.model.compiled_decode import projection_weights
 from kvserve.model.config import ModelConfig
-from kvserve.model.quantized import QuantizedTensor
 from kvserve.model.weights import ModelWeights, Weight
 
 
 def stored_bytes(weight: Weight) -> int:
     """A tensor's size as the model holds it: a quantized matrix's blocks, a dense tensor's elements."""
-    return weight.nbytes if isinstance(weight, QuantizedTensor) else weight.numel() * weight.element_size()
+    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.nbytes
 
 
 def _matrix_params(weight: Weight) -> int:
