@@ -2,8 +2,10 @@
 
 The fake runner writes into each KV slot what the real K/V there would depend on: the cache key and
 every token up to and including that position (causal attention). A sequence that reads a slot whose
-content differs from what it expects would attend to wrong K/V, so every read is checked. Each step
-also checks the pool's bookkeeping against the block tables (see `check_invariants`).
+content differs from what it expects would attend to wrong K/V, so every read is checked; with a
+`window` (every layer windowed) a query at p reads only positions p - window + 1 .. p, and the scheduler
+releases the blocks behind. Each step also checks the pool's bookkeeping against the block tables (see
+`check_invariants`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from kvserve.engine.outputs import RequestMetrics
 from kvserve.engine.prefix_cache import CacheKey, extend_block_hashes
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from kvserve.engine.sequence import Request, SeqStatus, Sequence
+from kvserve.engine.sequence import RELEASED_SLOT, Request, SeqStatus, Sequence
+from kvserve.intmath import div_ceil
 
 # What a KV slot holds: (cache key digest, token ids of positions 0..p) for the position p written there.
 SlotContent = tuple[bytes, tuple[int, ...]]
@@ -34,11 +37,13 @@ class FakeEngine:
         enable_caching: bool = True,
         enable_chunked_prefill: bool = True,
         row_block: int | None = None,
+        window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.scheduler = Scheduler(
-            self.pool, block_size, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, row_block
+            self.pool, block_size, max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, row_block, window
         )
         self.slots: list[list[SlotContent | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.requests: dict[str, Request] = {}
@@ -91,12 +96,13 @@ class FakeEngine:
         out = self.scheduler.schedule()
         self._check_limits(out)
         self._record_admissions(out)
+        self._check_blocks_held(out)
         self._copy_blocks(out.block_copies)
         for item in out.scheduled:
             self._write(item)
         for item in out.scheduled:  # after all writes: attention reads every position up to the last new one
             seq = item.seq
-            for position in range(seq.num_computed_tokens + item.num_new_tokens):
+            for position in range(self.first_visible(seq), seq.num_computed_tokens + item.num_new_tokens):
                 assert self._slot(seq, position) == self.expected(seq, position), (
                     f"{seq.request.request_id}[{seq.index}] reads wrong K/V at position {position}"
                 )
@@ -116,6 +122,10 @@ class FakeEngine:
             self.step()
             self.check_invariants()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def first_visible(self, seq: Sequence) -> int:
+        """The first position the sequence's next query (at num_computed_tokens) reads."""
+        return 0 if self.window is None else max(seq.num_computed_tokens - self.window + 1, 0)
 
     def expected(self, seq: Sequence, position: int) -> SlotContent:
         return seq.request.cache_key_digest, tuple(seq.token_ids[: position + 1])
@@ -140,6 +150,14 @@ class FakeEngine:
             if self.pool.enable_caching:
                 self.expected_queries += seq.num_prompt_tokens
                 self.expected_hits += hit
+
+    def _check_blocks_held(self, out: SchedulerOutput) -> None:
+        """With a window, a scheduled sequence holds only the blocks of its window and of its new tokens."""
+        if self.window is None:
+            return
+        for item in out.scheduled:
+            most = div_ceil(self.window + item.num_new_tokens - 2, self.block_size) + 1
+            assert len(item.seq.held_blocks) <= most, f"{len(item.seq.held_blocks)} blocks held, at most {most}"
 
     def _slot(self, seq: Sequence, position: int) -> SlotContent | None:
         return self.slots[seq.block_table[position // self.block_size]][position % self.block_size]
@@ -177,10 +195,15 @@ class FakeEngine:
         pool = self.pool
         owners = [0] * pool.num_blocks
         for seq in self.live_sequences:
-            assert len(set(seq.block_table)) == len(seq.block_table), "a block twice in one block table"
+            held = seq.held_blocks
+            assert len(set(held)) == len(held), "a block twice in one block table"
+            released = seq.num_released_blocks
+            assert seq.block_table[:released] == [RELEASED_SLOT] * released
+            # A released block never held a key the sequence's next query (or any later one) sees.
+            assert released * self.block_size <= self.first_visible(seq), "a block released inside the window"
             if seq.status is SeqStatus.WAITING:
-                assert not seq.block_table, "a waiting sequence holds blocks"
-            for block in seq.block_table:
+                assert not seq.block_table and not released, "a waiting sequence holds blocks"
+            for block in held:
                 owners[block] += 1
         for block in range(pool.num_blocks):
             assert pool.ref_count(block) == owners[block], f"block {block}: ref count != block tables holding it"

@@ -1,5 +1,6 @@
 """Random interleavings of add / step / abort (and n > 1 forks) over a small pool, with and without row
-blocks (decode-only steps leaving a sequence out).
+blocks (decode-only steps leaving a sequence out), with and without a sliding window on every layer
+(blocks behind it released as sequences advance).
 
 FakeEngine checks after every step that no block leaks, is freed twice or owned twice, that ref counts
 equal the block tables holding each block, that every read sees the K/V the reader expects (so a hit
@@ -48,6 +49,7 @@ class Scenario:
     enable_caching: bool
     enable_chunked_prefill: bool
     row_block: int | None  # 2: an odd number (> 2) of one-token rows runs one fewer
+    window: int | None  # every layer's window: a query at p reads p - window + 1 .. p
     prefixes: list[list[int]]
     ops: list[Add | Abort | Step]
 
@@ -73,6 +75,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         enable_caching=draw(st.booleans() | st.just(True)),
         enable_chunked_prefill=draw(st.booleans() | st.just(True)),
         row_block=draw(st.sampled_from([None, 2])),
+        window=draw(st.sampled_from([None, None, 1, 2, 3, 5, 8])),
         prefixes=draw(st.lists(st.lists(TOKENS, min_size=2, max_size=10), min_size=3, max_size=3)),
         ops=draw(st.lists(op, min_size=8, max_size=60)),
     )
@@ -89,6 +92,7 @@ def test_random_interleavings_keep_the_pool_consistent(scenario: Scenario) -> No
         scenario.enable_caching,
         scenario.enable_chunked_prefill,
         scenario.row_block,
+        scenario.window,
     )
     added = 0
     for op in scenario.ops:

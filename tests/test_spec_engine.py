@@ -67,7 +67,7 @@ def _assert_block_accounting(engine: LLMEngine) -> None:
     holders: dict[int, int] = {}
     for seq in engine.scheduler.running + engine.scheduler.waiting:
         assert len(seq.block_table) <= -(-seq.num_tokens // bs), "blocks of rejected drafts kept"
-        for block in seq.block_table:
+        for block in seq.held_blocks:
             holders[block] = holders.get(block, 0) + 1
     assert engine.pool.num_used == len(holders)
     assert all(engine.pool.ref_count(b) == n for b, n in holders.items())

@@ -37,8 +37,10 @@ from kvserve.engine.step_trace import StepTrace, work_of
 from kvserve.engine.stop_checker import append_token
 from kvserve.intmath import div_ceil
 from kvserve.kernels.backends import default_attention_backend, get_attention_backend
+from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaModel
 from kvserve.model.registry import load_model
+from kvserve.spec.draft import DraftModelProposer
 from kvserve.spec.setup import build_draft_proposer
 from kvserve.spec.speculator import Speculator
 from kvserve.structured.masks import start_masks
@@ -69,6 +71,16 @@ class EngineCounters:
     requests_aborted: int = 0
     requests_failed: int = 0
     structured_truncated: int = 0  # constrained samples ended by max_tokens or the context ("length")
+
+
+def _release_window(target: ModelConfig, draft: DraftModelProposer | None) -> int | None:
+    """The window behind which the scheduler may release a sequence's blocks: set only when every layer of
+    every model reading the cache has one, the target's and a separate draft model's (a self-draft runs the
+    target's own layers); the widest of them."""
+    readers = [target] + ([draft.runner.model.config] if draft is not None and draft.mirrors_target else [])
+    windows = [c.window_of_every_layer for c in readers]
+    known = [w for w in windows if w is not None]
+    return max(known) if len(known) == len(windows) else None
 
 
 class LLMEngine:
@@ -106,6 +118,13 @@ class LLMEngine:
         # The most tokens (prompt + output) one sequence can hold: the context, and the whole KV pool.
         self.max_sequence_len = min(self.max_model_len, num_blocks * block_size)
         self.inputs = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, num_blocks, config)
+        self.attention_backend = (
+            default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend
+        )
+        attention = get_attention_backend(self.attention_backend, self.device, windowed=mcfg.has_windows)
+        self.runner = ModelRunner(self.model, self.cache, attention)
+        draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
+        self.speculator = Speculator(config.speculative, draft) if config.speculative else None
         # Decode-only steps have at most max_num_seqs rows (drafts turn row blocks off).
         self.scheduler = Scheduler(
             self.pool,
@@ -114,14 +133,8 @@ class LLMEngine:
             config.max_num_seqs,
             config.enable_chunked_prefill,
             self.model.row_block(config.max_num_seqs),
+            _release_window(mcfg, draft),
         )
-        self.attention_backend = (
-            default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend
-        )
-        attention = get_attention_backend(self.attention_backend, self.device, windowed=mcfg.has_windows)
-        self.runner = ModelRunner(self.model, self.cache, attention)
-        draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
-        self.speculator = Speculator(config.speculative, draft) if config.speculative else None
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)
         self._order = 0

@@ -12,6 +12,9 @@ Each call to `schedule()` plans exactly one forward pass:
    behind it (strict FCFS).
 4. Where the forward pass computes its rows in whole blocks (`row_block`), a step of one-token decodes
    that would start a new block for a few rows leaves those sequences for the next step, in turn.
+5. For a model whose every layer sees only the last `window` keys, a sequence's blocks wholly behind the
+   window of its next query go back to the pool whenever it is scheduled (_release_behind_window), so a
+   long generation holds about window / block_size + 2 blocks, not one per block_size tokens.
 Prefix-cache hits are taken on admission: matched full blocks are shared, not recomputed.
 """
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.prefix_cache import extend_block_hashes, identity_at
-from kvserve.engine.sequence import SeqStatus, Sequence
+from kvserve.engine.sequence import RELEASED_SLOT, SeqStatus, Sequence
 from kvserve.intmath import div_ceil
 
 
@@ -59,6 +62,7 @@ class Scheduler:
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
         row_block: int | None = None,
+        window: int | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -75,6 +79,9 @@ class Scheduler:
         self.row_block = row_block
         self.num_passes = 0  # schedule() calls so far
         self.num_row_block_deferrals = 0  # decode tokens postponed a step by _defer_partial_row_block
+        # Set only when no query of any model reading the cache sees a key `window` or more positions back
+        # (every layer windowed): blocks behind it are then released (_release_behind_window).
+        self.window = window
 
     # ---- queue management ----
     def add(self, seq: Sequence) -> None:
@@ -95,7 +102,8 @@ class Scheduler:
             child = request.new_sequence(index)
             child.num_computed_tokens = parent.num_computed_tokens
             child.block_table = list(parent.block_table)
-            for block in child.block_table:
+            child.num_released_blocks = parent.num_released_blocks
+            for block in child.held_blocks:
                 self.pool.incref(block)
             child.block_hashes = list(parent.block_hashes)
             self.add_running(child)
@@ -108,8 +116,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free_blocks(seq.block_table)
-        seq.block_table = []
+        self._free_all_blocks(seq)
         seq.status = SeqStatus.FINISHED
 
     @property
@@ -129,6 +136,7 @@ class Scheduler:
             index += 1
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this pass
+            self._release_behind_window(seq)
             decoding = not seq.in_prefill
             if decoding:
                 decoders_left -= 1
@@ -232,6 +240,7 @@ class Scheduler:
                     self.pool.stats.hits += computed
             for _ in range(blocks_needed):
                 seq.block_table.append(self.pool.allocate())
+            self._release_behind_window(seq)  # hits behind the window: back to the pool, still cached
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_key)
             budget -= want
@@ -282,10 +291,32 @@ class Scheduler:
             seq.block_table.append(self.pool.allocate())
         return True
 
+    def _release_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks whose keys no query of `seq` will see again (only with `window` set).
+
+        The next query is at position num_computed_tokens, which never moves back while the sequence holds
+        blocks (a preemption frees them all; rejected drafts are never counted in it), and a query at p sees
+        keys p - window + 1 .. p. So every key before num_computed_tokens - window + 1 is dead for good, and
+        the blocks wholly before it are released: a full block in the prefix-cache index goes back as a
+        cached (evictable) block like any freed one, so a later request can still reuse it. Their slots keep
+        RELEASED_SLOT, so that later slots keep their positions (sequence.py's invariant).
+        """
+        if self.window is None:
+            return
+        dead = max(seq.num_computed_tokens - self.window + 1, 0) // self.block_size
+        for slot in range(seq.num_released_blocks, dead):
+            self.pool.free(seq.block_table[slot])
+            seq.block_table[slot] = RELEASED_SLOT
+        seq.num_released_blocks = max(seq.num_released_blocks, dead)
+
+    def _free_all_blocks(self, seq: Sequence) -> None:
+        self.pool.free_blocks(seq.held_blocks)
+        seq.block_table = []
+        seq.num_released_blocks = 0
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.pool.free_blocks(seq.block_table)
-        seq.block_table = []
+        self._free_all_blocks(seq)
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.spec_tokens = []
@@ -304,7 +335,7 @@ class Scheduler:
             if full <= seq.num_registered_blocks:
                 continue
             extend_block_hashes(seq.block_hashes, seq.token_ids, full, self.block_size, seq.request.cache_key_digest)
-            for index in range(seq.num_registered_blocks, full):
+            for index in range(max(seq.num_registered_blocks, seq.num_released_blocks), full):
                 identity = identity_at(seq.block_hashes, seq.token_ids, index, self.block_size)
                 self.pool.register(seq.block_table[index], identity)
             seq.num_registered_blocks = full

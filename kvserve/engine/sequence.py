@@ -5,8 +5,12 @@ sequences that share the prompt's KV blocks (copy-on-write), each then generatin
 
 Invariants of a Sequence:
 - token_ids = prompt tokens + output tokens; only accepted tokens are ever appended;
-- num_computed_tokens <= len(token_ids): positions below it have K/V in the blocks of block_table;
+- num_computed_tokens <= len(token_ids): positions below it have K/V in the blocks of block_table,
+  except the released slots below;
 - len(block_table) * block_size >= num_computed_tokens;
+- block_table[:num_released_blocks] are released slots holding RELEASED_SLOT (only for a model whose every
+  layer is windowed, Scheduler._release_behind_window): no query the sequence will still make sees a key
+  in them; block_table[num_released_blocks:] (held_blocks) each hold one reference to a pool block;
 - block_hashes[i] is the chained hash of full block i of token_ids (computed lazily, never changes).
 """
 
@@ -34,6 +38,11 @@ class SeqStatus(enum.Enum):
 
 _seq_ids = itertools.count()
 
+# What a released block-table slot holds: a valid block id, so that a backend gathering whole tables still
+# indexes inside the cache; its keys (another sequence's, maybe) never reach a result (kernels/metadata.py
+# says how each backend keeps them out).
+RELEASED_SLOT = 0
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -47,6 +56,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Leading slots of block_table given back to the pool: their keys are behind every future query's window.
+    num_released_blocks: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     # Full blocks already offered to the prefix cache index.
     num_registered_blocks: int = 0
@@ -73,6 +84,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def held_blocks(self) -> list[int]:
+        """The pool blocks this sequence holds a reference to: its block table past the released slots."""
+        return self.block_table[self.num_released_blocks :]
 
     @property
     def output_token_ids(self) -> list[int]:

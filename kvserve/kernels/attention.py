@@ -115,7 +115,8 @@ def _host_lengths(meta: AttentionMetadata, seqs: list[int] | None) -> tuple[torc
 
 
 def _window_start(kv_start: torch.Tensor, qpos0: torch.Tensor, window: int | None) -> torch.Tensor:
-    """An item's first key to visit with a sliding window: none before its first row's window."""
+    """An item's first key to visit with a sliding window: none before its first row's window (so no
+    released slot, kernels/metadata.py, is ever read)."""
     return kv_start if window is None else torch.maximum(kv_start, qpos0 - window + 1)
 
 

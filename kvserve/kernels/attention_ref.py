@@ -40,7 +40,7 @@ def reference_attention(
     qpos = torch.arange(tq, device=q.device) + offset
     kpos = torch.arange(tk, device=q.device)
     hidden = kpos[None, :] > qpos[:, None]
-    if window is not None:
+    if window is not None:  # hides the keys of released slots too (kernels/metadata.py)
         hidden |= kpos[None, :] <= qpos[:, None] - window
     scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vc

@@ -42,6 +42,7 @@ def _decode_plan(meta: AttentionMetadata, seq_list: list[int], t_rows: int, wind
     slot = (meta.block_tables[seqs][:, col] * meta.block_size + kpos % meta.block_size).flatten()
     mask = (kpos <= qpos.unsqueeze(-1)) & (kpos < slen.view(-1, 1, 1))  # [B, Qmax, Smax]
     if window is not None:  # a query at p sees p - window + 1 .. p: its own key stays, so no row is empty
+        # Keys before the window may come from released slots: masked, finite, weight 0 (metadata.py).
         mask &= kpos > qpos.unsqueeze(-1) - window
     return _DecodePlan(
         slot=slot,
@@ -97,7 +98,7 @@ def _one_prefill(
         kpos = torch.arange(s, device=q.device)
         qpos = kpos[s - n :].unsqueeze(1)
         mask = kpos <= qpos
-        if window is not None:
+        if window is not None:  # hides the keys of released slots too (kernels/metadata.py)
             mask &= kpos > qpos - window
         res = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return res[0].transpose(0, 1)

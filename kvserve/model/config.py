@@ -72,5 +72,12 @@ class ModelConfig:
         return any(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @property
+    def window_of_every_layer(self) -> int | None:
+        """The window when every layer has one (no query then sees a key that far back, so the KV cache
+        may drop such keys); None when some layer attends to every key before it."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else self.sliding_window
+
+    @property
     def softmax_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
