@@ -24,10 +24,8 @@ from offline_throughput import random_prompts
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.results import save_results
-from kvserve.kernels.attention import tiled_attention
 from kvserve.kernels.attention_cpu import cpu_attention
-from kvserve.kernels.attention_sdpa import sdpa_attention
-from kvserve.kernels.backends import TILED_FROM_TOTAL_KEYS
+from kvserve.kernels.backends import AttentionBackend, torch_cpu_attention
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.registry import GEMMA3_270M
 
@@ -43,9 +41,10 @@ def windows_on_torch(
     """The CPU backend as it was before the compiled kernel took windows: windowed layers on torch ops."""
     if window is None:
         return cpu_attention(q, k_cache, v_cache, meta, scale)
-    if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
-        return tiled_attention(q, k_cache, v_cache, meta, scale, window)
-    return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
+    return torch_cpu_attention(q, k_cache, v_cache, meta, scale, window)
+
+
+WINDOWS_ON_TORCH = AttentionBackend("windows_on_torch", windows_on_torch, windows=True, decode_rows_on_cpu_kernel=False)
 
 
 class Paths:
@@ -54,11 +53,11 @@ class Paths:
     def __init__(self, llm: LLM) -> None:
         self.runner = llm.engine.runner
         self.loaded = (self.runner.attention, self.runner.compiled_decode)
-        assert self.runner.attention is not windows_on_torch
+        assert self.runner.attention is not WINDOWS_ON_TORCH
 
     def use(self, path: str) -> None:
         self.runner.attention, self.runner.compiled_decode = (
-            self.loaded if path == "kernel" else (windows_on_torch, False)
+            self.loaded if path == "kernel" else (WINDOWS_ON_TORCH, WINDOWS_ON_TORCH.compiled_decode)
         )
 
 

@@ -41,10 +41,22 @@ def auto_cpu_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The compiled CPU kernels where they build; otherwise, per batch, the faster of the tiled kernel
-    and SDPA for its shape (see TILED_FROM_TOTAL_KEYS)."""
+    """The compiled CPU kernels where they build; otherwise torch_cpu_attention."""
     if cpu.load() is not None:
         return cpu_attention(q, k_cache, v_cache, meta, scale, window)
+    return torch_cpu_attention(q, k_cache, v_cache, meta, scale, window)
+
+
+def torch_cpu_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention on torch ops: per batch, the faster of the tiled kernel and SDPA for its shape (see
+    TILED_FROM_TOTAL_KEYS)."""
     if sum(meta.seq_lens_host) >= TILED_FROM_TOTAL_KEYS:
         return tiled_attention(q, k_cache, v_cache, meta, scale, window)
     return sdpa_attention(q, k_cache, v_cache, meta, scale, window)
