@@ -1,7 +1,9 @@
 """Quantized-weight products (kernels/cpu/quant_gemv.cpp, quant_linear.cpp) against the engine's bf16
 linear on the same shapes (kvserve.model.linear.make_linear: the bf16 GEMV at 1-2 rows, oneDNN above):
 per kernel, block type, shape and row count, the median time and the effective bandwidth (the bytes of
-the weight it reads, quantized or bf16, per second).
+the weight it reads, quantized or bf16, per second). For block types with row groups (Q4_0, Q4_1;
+kvserve/model/quantized.py) the same matrix in row groups, as the engine holds its projections, is a
+column of its own ("groups us"; "GB/s" is GGML's layout).
 
 Shapes are SmolLM2-135M's: the down projection (576 x 1536), the fused gate_up's half (1536 x 576) and
 the LM head (49152 x 576); K-quants (256-element blocks) only where K is a multiple of 256. Weights are
@@ -31,7 +33,7 @@ from gguf.quants import quantize
 from kvserve.bench.results import save_results
 from kvserve.kernels import cpu
 from kvserve.model.linear import make_linear
-from kvserve.model.quantized import KERNEL_TYPES
+from kvserve.model.quantized import KERNEL_TYPES, QuantizedTensor
 
 SHAPES = [(576, 1536), (1536, 576), (49152, 576)]
 STREAM_BYTES = 64 << 20  # past the last-level cache of the CPUs kvserve runs on
@@ -75,7 +77,8 @@ def main() -> None:
         raise SystemExit("the quantized kernels need the compiled CPU kernels")
     gen = np.random.default_rng(0)
     rows_out = []
-    print(f"{'threads':>7} {'shape':>11} {'rows':>4} {'type':>5} {'kernel':>12} {'us':>9} {'GB/s':>6} {'bf16 us':>8}")
+    print(f"{'threads':>7} {'shape':>11} {'rows':>4} {'type':>5} {'kernel':>12} {'us':>9} {'GB/s':>6} {'groups us':>9} "
+          f"{'bf16 us':>8}")  # fmt: skip
     for threads in args.threads:
         torch.set_num_threads(threads)
         for n, k in SHAPES:
@@ -90,18 +93,23 @@ def main() -> None:
                         continue
                     one = random_blocks(qtype, n, k, gen)
                     blocks = [one.clone() for _ in range(-(-STREAM_BYTES // one.numel()))]
+                    product = getattr(kernels, kernel)
                     fns = {
-                        kernel: [functools.partial(getattr(kernels, kernel), x, b, int(qtype)) for b in blocks],
+                        kernel: [functools.partial(product, x, b, int(qtype)) for b in blocks],
                         "bf16": [functools.partial(linear, x) for linear in dense],
                     }
+                    grouped = [QuantizedTensor(b, qtype, (n, k)).interleaved() for b in blocks]
+                    if grouped[0].row_group > 1:
+                        fns["row groups"] = [functools.partial(product, x, g.blocks, g.kernel_type) for g in grouped]
                     us = median_us(fns, args.repeats)
                     gbps = one.numel() / us[kernel] / 1e3
                     row = {"threads": threads, "n": n, "k": k, "rows": rows, "type": name, "kernel": kernel,
-                           "us": us[kernel], "gb_per_s": gbps, "bf16_us": us["bf16"],
-                           "bf16_gb_per_s": n * k * 2 / us["bf16"] / 1e3}  # fmt: skip
+                           "us": us[kernel], "gb_per_s": gbps, "row_groups_us": us.get("row groups"),
+                           "bf16_us": us["bf16"], "bf16_gb_per_s": n * k * 2 / us["bf16"] / 1e3}  # fmt: skip
                     rows_out.append(row)
+                    groups = f"{us['row groups']:>9.1f}" if "row groups" in us else f"{'-':>9}"
                     print(f"{threads:>7} {n:>5}x{k:<5} {rows:>4} {name:>5} {kernel:>12} {us[kernel]:>9.1f} "
-                          f"{gbps:>6.2f} {us['bf16']:>8.1f}")  # fmt: skip
+                          f"{gbps:>6.2f} {groups} {us['bf16']:>8.1f}")  # fmt: skip
     meta = {"benchmark": "quantized_gemv", "repeats": args.repeats, "torch": torch.__version__}
     save_results({"meta": meta, "rows": rows_out}, args.out)
     print(f"wrote {args.out}")

@@ -20,7 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve.kernels import cpu
-from kvserve.model.quantized import KERNEL_TYPES, QuantizedTensor
+from kvserve.model.quantized import KERNEL_TYPES, ROW_GROUP_ROWS, ROW_GROUP_TYPES, QuantizedTensor
 from kvserve.model.quantized_linear import quantized_kernels
 
 # Byte offsets of each type's f16 scale fields within a block (quant_blocks.h has the layouts).
@@ -130,10 +130,14 @@ def test_quant_gemv_within_the_int8_activation_bound(kernels, qtype: GGMLQuantiz
         ref = x.double() @ w.double().T
         y = kernels.quant_gemv(x, torch.from_numpy(blocks), int(qtype))
         assert y.dtype == dtype and y.shape == ref.shape
-        step = x.double().view(x.shape[0], -1, 32).abs().amax(-1) / 127  # [rows, K/32]
-        block_abs_w = w.double().abs().view(n, -1, 32).sum(-1)  # [N, K/32]
-        bound = (step / 2) @ block_abs_w.T * (1 + 1e-4) + float_slack(w, x, ref, dtype)
-        assert within(y, ref, bound), f"seed {seed}"
+        assert within(y, ref, int8_bound(w, x, ref, dtype)), f"seed {seed}"
+
+
+def int8_bound(w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How far x's rounding to int8 per 32 elements may move each result (the module docstring)."""
+    step = x.double().view(x.shape[0], -1, 32).abs().amax(-1) / 127  # [rows, K/32]
+    block_abs_w = w.double().abs().view(w.shape[0], -1, 32).sum(-1)  # [N, K/32]
+    return (step / 2) @ block_abs_w.T * (1 + 1e-4) + float_slack(w, x, ref, dtype)
 
 
 @needs_quant_gemv
@@ -183,3 +187,90 @@ def test_quantized_tensor_rows_and_cat_follow_the_matrix() -> None:
     other = QuantizedTensor(torch.zeros(1, 20, dtype=torch.uint8), GGMLQuantizationType.Q4_1, (1, 32))
     with pytest.raises(ValueError, match="one block type"):
         QuantizedTensor.cat([a, other])
+
+
+@pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
+def test_row_groups_are_a_permutation_of_the_blocks(qtype: GGMLQuantizationType) -> None:
+    gen = np.random.default_rng(7)
+    blocks = random_blocks(qtype, 24, 96, gen)
+    ggml = QuantizedTensor(torch.from_numpy(blocks), qtype, (24, 96))
+    grouped = ggml.interleaved()
+    assert grouped.row_group == ROW_GROUP_ROWS and grouped.nbytes == ggml.nbytes
+    assert grouped.blocks.shape == (3, 8 * blocks.shape[1])
+    assert sorted(grouped.blocks.flatten().tolist()) == sorted(blocks.flatten().tolist())
+    torch.testing.assert_close(grouped.ggml_blocks(), ggml.blocks, rtol=0, atol=0)
+    torch.testing.assert_close(grouped.dequantize(), ggml.dequantize(), rtol=0, atol=0)
+    # the layout quant_row_groups.h states: row 3's scale d of block 1, and its element 16 + 4 * 2 + 1
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    group_block = grouped.blocks[0, 8 * block_bytes : 16 * block_bytes].numpy()
+    row3_block1 = blocks[3, block_bytes : 2 * block_bytes]
+    assert bytes(group_block[6:8]) == bytes(row3_block1[0:2])
+    fields = block_bytes - 16
+    assert group_block[8 * fields + 32 * 2 + 4 * 3 + 1] == row3_block1[fields + 4 * 2 + 1]
+
+
+def test_only_whole_groups_of_grouped_types_are_interleaved() -> None:
+    gen = np.random.default_rng(8)
+    q8 = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q8_0, 16, 64, gen)),
+                         GGMLQuantizationType.Q8_0, (16, 64))  # fmt: skip
+    odd = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 12, 64, gen)),
+                          GGMLQuantizationType.Q4_1, (12, 64))  # fmt: skip
+    assert q8.interleaved() is q8 and odd.interleaved() is odd
+    with pytest.raises(ValueError, match="row groups of 8"):
+        QuantizedTensor(q8.blocks.view(2, -1), GGMLQuantizationType.Q8_0, (16, 64), ROW_GROUP_ROWS)
+
+
+def row_group_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tuple:
+    """random_case's matrix with N a whole number of row groups, and it in row groups."""
+    gen = np.random.default_rng(seed)
+    n, k = ROW_GROUP_ROWS * int(gen.integers(1, 9)), 32 * int(gen.integers(1, 7))
+    blocks = random_blocks(qtype, n, k, gen)
+    x = torch.from_numpy(gen.standard_normal((int(gen.integers(1, max_rows + 1)), k)).astype(np.float32))
+    grouped = QuantizedTensor(torch.from_numpy(blocks), qtype, (n, k)).interleaved()
+    return blocks, grouped, x * float(gen.choice([1e-3, 1.0, 50.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
+def test_quant_linear_on_row_groups_matches_dequantize_then_matmul(kernels, qtype, dtype) -> None:
+    for seed in range(4):
+        blocks, grouped, x = row_group_case(qtype, 30 + seed, 40 if seed == 0 else 9)
+        x = x.to(dtype)
+        w = reference(blocks, qtype, *grouped.shape)
+        ref = x.double() @ w.double().T
+        y = kernels.quant_linear(x, grouped.blocks, grouped.kernel_type)
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert within(y, ref, float_slack(w, x, ref, dtype)), f"seed {seed}"
+
+
+@needs_quant_gemv
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
+def test_quant_gemv_on_row_groups_equals_it_on_ggml_blocks(kernels, qtype, dtype) -> None:
+    """The same int8 activations and the same integer products: the two layouts differ only in the order
+    of a few float32 sums per output, so they agree to float32 rounding of the result's terms."""
+    for seed in range(6):
+        blocks, grouped, x = row_group_case(qtype, 40 + seed, kernels.GEMV_MAX_ROWS)
+        x = x.to(dtype)
+        w = reference(blocks, qtype, *grouped.shape)
+        ours = kernels.quant_gemv(x, grouped.blocks, grouped.kernel_type)
+        ggml = kernels.quant_gemv(x, torch.from_numpy(blocks), int(qtype))
+        assert ours.dtype == dtype and ours.shape == ggml.shape
+        slack = float_slack(w, x, ggml.double(), dtype)
+        assert within(ours, ggml.double(), slack), f"seed {seed}"
+
+
+@needs_quant_gemv
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
+def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype) -> None:
+    blocks, grouped, x = row_group_case(GGMLQuantizationType.Q4_1, 60, 1)
+    if qtype == GGMLQuantizationType.Q8_0:
+        n, k = grouped.shape
+        q8_blocks = random_blocks(qtype, n, k, np.random.default_rng(61))
+        grouped = QuantizedTensor(torch.from_numpy(q8_blocks), qtype, (n, k))
+    for rows in range(1, kernels.GEMV_MAX_ROWS + 3):
+        xs = torch.cat([x * (i + 1) for i in range(rows)])
+        kernel = kernels.quant_gemv if rows <= kernels.GEMV_MAX_ROWS else kernels.quant_linear
+        expected = kernel(xs, grouped.blocks, grouped.kernel_type)
+        ours = kernels.quant_product(xs, grouped.blocks, grouped.kernel_type)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)

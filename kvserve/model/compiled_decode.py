@@ -58,7 +58,7 @@ class CompiledDecodeStep:
             for layer, norms in zip(model.weights.layers, model.norms, strict=True)
         ]
         self.block_types = [
-            int(p.weight.qtype) for layer in projections for p in layer if isinstance(p, QuantizedLinear)
+            p.weight.kernel_type for layer in projections for p in layer if isinstance(p, QuantizedLinear)
         ]
         tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
         self.tiles = tiles if all(t is not None for layer in tiles for t in layer) else None

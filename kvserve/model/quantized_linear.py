@@ -1,10 +1,11 @@
 """Linear layers and the embedding over weights kept in GGUF blocks (QuantizedTensor), on kvserve's
 quantized kernels (kernels/cpu/quant_*.cpp).
 
-Up to GEMV_MAX_ROWS rows (batch-1 decode) `quant_gemv` streams the blocks once with x quantized to int8
-per 32 elements; more rows (decode batches, prefill chunks) take `quant_linear`, which dequantizes a
-panel of weight rows into a float32 tile in cache and multiplies every row with it, so the weights are
-read once per product at their quantized size either way. A fused projection whose parts differ in block
+`quant_product` chooses the kernel (the compiled decode step calls the same): up to GEMV_MAX_ROWS rows
+(batch-1 decode) `quant_gemv` streams the blocks once with x quantized to int8 per 32 elements; more rows
+(decode batches, prefill chunks) take `quant_linear`, which dequantizes a panel of weight rows into a
+float32 tile in cache and multiplies every row with it, so the weights are read once per product at
+their quantized size either way. A fused projection whose parts differ in block
 type (StackedQuantizedTensor) runs a product per part and concatenates their columns.
 
 The embedding table, when quantized, stays in its blocks: a step gathers the rows of its tokens and
@@ -53,9 +54,7 @@ class QuantizedLinear:
     silu_mul: LinearFn | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        few_rows = 0 < x.shape[0] <= self.kernels.GEMV_MAX_ROWS
-        product = self.kernels.quant_gemv if few_rows else self.kernels.quant_linear
-        y = product(x, self.weight.blocks, int(self.weight.qtype))
+        y = self.kernels.quant_product(x, self.weight.blocks, self.weight.kernel_type)
         return y if self.silu_mul is None else self.silu_mul(y)
 
 
@@ -90,4 +89,5 @@ def make_embedding(table: torch.Tensor | QuantizedTensor) -> Callable[[torch.Ten
     kernels = quantized_kernels()
     if kernels is None:
         raise ValueError("a quantized embedding table needs kvserve's quantized kernels")
-    return lambda ids: kernels.dequantize_rows(table.blocks.index_select(0, ids), int(table.qtype))
+    blocks = table.ggml_blocks()  # the table's own blocks: ModelWeights never puts an embedding in row groups
+    return lambda ids: kernels.dequantize_rows(blocks.index_select(0, ids), int(table.qtype))

@@ -23,11 +23,22 @@ logger = logging.getLogger(__name__)
 Weight = torch.Tensor | Quantized
 
 
+def _interleaved(weight: Weight) -> Weight:
+    """A projection in the layout its products read fastest: blocks in row groups where their type has
+    them (quantized.py), each part of a stacked one on its own; dense tensors as they are."""
+    if isinstance(weight, QuantizedTensor):
+        return weight.interleaved()
+    if isinstance(weight, StackedQuantizedTensor):
+        return StackedQuantizedTensor(tuple(part.interleaved() for part in weight.parts))
+    return weight
+
+
 def _stack_rows(parts: list[Weight], name: str) -> Weight:
-    """The parts' rows stacked: kept in blocks if every part is, else dense (in the dense parts' dtype)."""
+    """The parts' rows stacked: kept in blocks if every part is (in row groups where they can be), else
+    dense (in the dense parts' dtype)."""
     quantized = [p for p in parts if isinstance(p, QuantizedTensor)]
     if len(quantized) == len(parts):
-        return stack_rows(quantized)
+        return _interleaved(stack_rows(quantized))
     if quantized:
         logger.warning("%s: fused parts of which only some are in blocks, dequantized", name)
     dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
@@ -84,12 +95,12 @@ class ModelWeights:
             layer = LayerWeights(
                 attn_norm=dense(p + "input_layernorm.weight"),
                 qkv_proj=_stack_rows([take(n + "weight") for n in qkv], p + "qkv_proj"),
-                o_proj=take(p + "self_attn.o_proj.weight"),
+                o_proj=_interleaved(take(p + "self_attn.o_proj.weight")),
                 mlp_norm=dense(p + mlp_norm + ".weight"),
                 gate_up_proj=_stack_rows(
                     [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], p + "gate_up_proj"
                 ),
-                down_proj=take(p + "mlp.down_proj.weight"),
+                down_proj=_interleaved(take(p + "mlp.down_proj.weight")),
             )
             if config.attention_bias:
                 layer.qkv_bias = fuse([n + "bias" for n in qkv])
@@ -103,7 +114,9 @@ class ModelWeights:
         assert not isinstance(embed, StackedQuantizedTensor)  # only fused projections are stacked
         head = tensors.pop("lm_head.weight", None)
         if config.tie_word_embeddings or head is None:
-            head = embed
+            head = embed  # the table's layout: its rows are gathered as well as multiplied
+        else:
+            head = _interleaved(head)
         final_norm = dense("model.norm.weight")
         if tensors:
             raise ValueError(f"unexpected tensors for a {config.family} model: {sorted(tensors)[:5]}")

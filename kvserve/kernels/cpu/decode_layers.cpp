@@ -5,23 +5,23 @@
 // benchmarks/RESULTS.md, "Figures behind the code's rules"). This is the same loop,
 // calling the same kernels in the same order (so its result is bit-identical), from C++. It runs
 // only where every linear is a bf16 KernelLinear (kvserve/model/linear.py) or every linear a
-// QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel: up to
-// kGemvMaxRows rows on the GEMV (bf16 or quantized), more (batched decode, up to linear.py's
-// AMX_MAX_ROWS, which the caller checks) on linear_amx or quant_linear, as those linears choose.
+// QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel: bf16 up
+// to kGemvMaxRows rows on the GEMV, more (batched decode, up to linear.py's AMX_MAX_ROWS, which the
+// caller checks) on linear_amx; blocks on quant_product, as QuantizedLinear.
 #include "common.h"
 #include "ops.h"
 
 namespace kvserve {
 namespace {
 
-// x @ W^T as KernelLinear / QuantizedLinear compute it: W in GGUF blocks of `block_type` (>= 0) on
-// quant_gemv up to kGemvMaxRows rows, quant_linear above; a bf16 W on the GEMV up to kGemvMaxRows rows,
+// x @ W^T as KernelLinear / QuantizedLinear compute it: W in blocks of `block_type` (>= 0) on
+// quant_product; a bf16 W on the GEMV up to kGemvMaxRows rows,
 // then linear_amx on the packed `tiles`. `gated` (W = [gate; up]): silu(gate) * up.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* tiles, int64_t block_type,
                    bool gated) {
   at::Tensor y;
   if (block_type >= 0) {
-    y = x.size(0) <= kGemvMaxRows ? quant_gemv(x, weight, block_type) : quant_linear(x, weight, block_type);
+    y = quant_product(x, weight, block_type);
   } else if (x.size(0) <= kGemvMaxRows) {
     y = gemv_bf16(x, weight);
   } else {

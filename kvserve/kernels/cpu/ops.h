@@ -32,16 +32,20 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
 // Quantized weights: `blocks` uint8 [N, row_bytes] of GGML block type `type` (quant_blocks.h).
 // The rows dequantized to float32 [N, K], exactly as gguf.quants.dequantize computes them.
 at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
-// x [M <= kGemvMaxRows, K] (float32 or bf16) @ W^T on the blocks as they lie, x quantized per 32 elements
-// to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
+// x [M <= kGemvMaxRows, K] (float32 or bf16) @ W^T on the blocks as they lie (GGML's layout or row groups,
+// quant_row_groups.h), x quantized per 32 elements to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
 at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
 // x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
 // multiplied; y in x's dtype.
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
+// x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, else
+// quant_linear. More rows stay exact: int8 activations there too would be faster, but move the engine's
+// greedy tokens off the dequantized engine's (benchmarks/RESULTS.md, "Row groups").
+at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
 // `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved);
 // `block_types`: none (every projection a bf16 matrix), or per layer the GGML block type of each of the
-// four projections, whose tensors are then their GGUF blocks (quant_gemv / quant_linear multiply them).
+// four projections (or its row-group type), whose tensors are then their blocks (quant_product multiplies them).
 // The activations are in the KV cache's dtype. `windows`: per layer its sliding window in keys, 0 for none.
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,

@@ -54,11 +54,11 @@ inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
 #if defined(__AVX2__)
 #define KVSERVE_QUANT_AVX2 1
 // 32 weight nibbles as bytes in element order: the low nibbles of qs[0:16], then their high nibbles.
-inline __m256i nibbles32(const uint8_t* qs) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+inline __m256i nibbles32(__m128i qs) {
   const __m128i mask = _mm_set1_epi8(0xF);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
 }
+inline __m256i nibbles32(const uint8_t* qs) { return nibbles32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))); }
 // The 32 bits of qh (little-endian) as bytes: 0x10 where the bit is set, else 0.
 inline __m256i high_bits32(const uint8_t* qh) {
   uint32_t bits;

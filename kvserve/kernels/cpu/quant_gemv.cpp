@@ -14,7 +14,7 @@
 // maddubs + madd); this file has the AVX2 form only.
 #include "common.h"
 #include "ops.h"
-#include "quant_blocks.h"
+#include "quant_row_groups.h"
 
 namespace kvserve {
 
@@ -200,15 +200,76 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, floa
   });
 }
 
+// The same product over row groups (quant_row_groups.h): each 32-bit lane is one of the group's eight
+// rows, so the scales of eight rows load as one vector and every product, sum and scaling serves eight
+// rows at once; the results of a group are eight adjacent outputs, stored as one vector. Per x block, the
+// eight u8 x s8 pair products per lane are summed in int16 before widening: eight of them reach at most
+// 8 * 2 * 15 * 127 = 30,480 < 32,767 (x's int8 never holds -128: |q| <= 127 by its scale).
+//
+// Rows m0 .. m0+M-1 of x times group block row `group` (all its blocks) into y.
+template <typename Group, int M>
+inline void row_group_rows(const uint8_t* group, const Activations& x, int64_t m0, float* y, int64_t n_total,
+                           int64_t g) {
+  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;  // else Q4_0: offset -8 d
+  const int64_t xblocks = x.k / kXBlock;
+  const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  __m256 acc[M], acc_offset[M];  // the integer products' terms and the offsets' (separate chains)
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), acc_offset[m] = _mm256_setzero_ps();
+  const uint8_t* p = group;
+  for (int64_t b = 0; b < xblocks; ++b, p += Group::kBytes) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 offset = kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                               : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    __m256i q[8];  // q[t]: elements 4t .. 4t+3 of each row (quant_row_groups.h)
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + Group::kQsOffset + 32 * j));
+      q[j] = _mm256_and_si256(v, mask);
+      q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = (m0 + m) * xblocks + b;
+      const int8_t* xq = x.q.data() + i * kXBlock;
+      __m256i sum = _mm256_setzero_si256();
+      for (int t = 0; t < 8; ++t) {
+        int32_t four;
+        std::memcpy(&four, xq + 4 * t, 4);
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[t], _mm256_set1_epi32(four)));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[m]);
+      acc_offset[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sum32[i]), acc_offset[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    _mm256_storeu_ps(y + (m0 + m) * n_total + g * Group::kRows, _mm256_add_ps(acc[m], acc_offset[m]));
+}
+
+// Every row of x (1 to kGemvMaxRows = 2: two rows' accumulators and a block's eight unpacked weight
+// vectors fill the 16 AVX2 registers); each thread takes whole groups.
+template <typename Group>
+void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, float* y,
+                      int64_t n_total) {
+  at::parallel_for(0, n_total / Group::kRows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      if (rows == 2)
+        row_group_rows<Group, 2>(w + g * group_bytes, x, 0, y, n_total, g);
+      else
+        row_group_rows<Group, 1>(w + g * group_bytes, x, 0, y, n_total, g);
+    }
+  });
+}
+
 }  // namespace
 #endif
 
 at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type) {
   RECORD_FUNCTION("kvserve::quant_gemv", {});  // named in torch profiler traces
 #ifdef KVSERVE_HAS_QUANT_GEMV
-  return quant::visit_type(type, [&](auto block) {
+  return quant::visit_kernel_type(type, [&](auto block) {
     using Block = decltype(block);
-    const int64_t k = quant::columns_of<Block>(blocks), n = blocks.size(0), rows = x.size(0);
+    constexpr bool kGroups = quant::rows_per_stored_row<Block>() > 1;
+    const int64_t k = quant::columns_of<Block>(blocks), rows = x.size(0);
+    const int64_t n = blocks.size(0) * quant::rows_per_stored_row<Block>();
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
     TORCH_CHECK(rows >= 1 && rows <= kGemvMaxRows, "quant_gemv takes 1 to ", kGemvMaxRows, " rows, got ", rows);
     x = x.contiguous();
@@ -216,7 +277,9 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type) {
     KVSERVE_DISPATCH(x.scalar_type(), [&] { acts = quantize_int8(raw<scalar_t>(x), rows, k); });
     auto y = at::empty({rows, n}, x.options().dtype(at::kFloat));
     const uint8_t* w = blocks.data_ptr<uint8_t>();
-    if (rows == 1) {
+    if constexpr (kGroups) {
+      row_group_kernel<Block>(w, blocks.size(1), acts, rows, y.data_ptr<float>(), n);
+    } else if (rows == 1) {
       gemv_kernel<Block, 1>(w, blocks.size(1), acts, y.data_ptr<float>(), n);
     } else {
       gemv_kernel<Block, 2>(w, blocks.size(1), acts, y.data_ptr<float>(), n);

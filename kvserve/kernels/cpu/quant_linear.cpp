@@ -1,4 +1,5 @@
-// y = x @ W^T for any number of rows of x (decode batches, prefill chunks), W [N, K] in GGUF blocks.
+// y = x @ W^T for any number of rows of x (decode batches, prefill chunks), W [N, K] in GGUF blocks
+// (GGML's layout or row groups, quant_row_groups.h).
 //
 // Each thread takes panels of kPanelRows weight rows: it dequantizes a panel into a float32 tile of its
 // own (kPanelRows x K floats, sized to stay in L2), exactly as gguf.quants.dequantize would, then
@@ -12,7 +13,7 @@
 // 12 accumulators + 3 x + 1 tile vector fill AVX2's 16 registers.
 #include "common.h"
 #include "ops.h"
-#include "quant_blocks.h"
+#include "quant_row_groups.h"
 
 namespace kvserve {
 namespace {
@@ -62,9 +63,10 @@ void rows_times_tile(const float* x, const float* tile, int64_t w_rows, int64_t 
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
   RECORD_FUNCTION("kvserve::quant_linear", {});  // named in torch profiler traces
-  return quant::visit_type(type, [&](auto block) {
+  return quant::visit_kernel_type(type, [&](auto block) {
     using Block = decltype(block);
-    const int64_t k = quant::columns_of<Block>(blocks), n = blocks.size(0), rows = x.size(0);
+    const int64_t k = quant::columns_of<Block>(blocks), rows = x.size(0);
+    const int64_t n = blocks.size(0) * quant::rows_per_stored_row<Block>();
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -80,7 +82,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
         const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
         for (int64_t r = 0; r < w_rows; ++r)
           for (int64_t b = 0; b < k / Block::kElems; ++b)
-            Block::dequantize(w + (n0 + r) * row_bytes + b * Block::kBytes, tile.data() + r * k + b * Block::kElems);
+            quant::dequantize_block<Block>(w, row_bytes, n0 + r, b, tile.data() + r * k + b * Block::kElems);
         int64_t m = 0;
         for (; m + kXRows <= rows; m += kXRows)
           rows_times_tile<kXRows>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
@@ -90,6 +92,12 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
     });
     return y.to(x.scalar_type());
   });
+}
+
+at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type) {
+  // Where quant_gemv does not build (no AVX2), no weights stay in blocks: quantized_linear.py probes it.
+  const int64_t rows = x.size(0);
+  return rows >= 1 && rows <= kGemvMaxRows ? quant_gemv(x, blocks, type) : quant_linear(x, blocks, type);
 }
 
 }  // namespace kvserve
