@@ -3,12 +3,16 @@ and any peer servers you have running (vLLM-CPU, llama.cpp's llama-server, set u
 repository), all on the same model, workload and dtype.
 
 Rows:
-- offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py);
+- offline 64 x 128/128 (ignore EOS): kvserve LLM.generate vs HF generate() (benchmarks/offline_throughput.py,
+  which runs vLLM's LLM.generate too);
 - batch-1 decode: one 128-token prompt, 128 outputs: TPOT, and per-step time outside matrix products
   (the Python/op overhead, from the torch profiler over a few steps);
 - roofs: this machine's GEMM rates and stream bandwidth, probed in this run for every CPU path it executes
   (roofs.py), and each row's share of its roof on the path kvserve ran (row_roofs.py: batch-1 TPOT, the
-  offline and all-at-once rows' tok/s; Poisson arrivals have none), peers' rows against the same roof;
+  offline and all-at-once rows' tok/s; Poisson arrivals have none), each engine's roof from the bytes and
+  FLOPs of its own weights: kvserve's as it ran, HF's dense in the dtype, a peer's as --peer-weights
+  NAME=bf16|fp32|gguf says (gguf: the GGUF file's tensors as stored); a peer without one has no roof, and
+  its share is printed n/a;
 - bf16 vs float32 greedy agreement, kvserve's and HF's (benchmarks/dtype_agreement.py; always on the
   default model, which has a chat template: --model chooses the model of the other rows);
 - served: `kvserve serve` started here, driven by kvserve's replay client (`kvserve bench serve`):
@@ -21,7 +25,7 @@ and peak RSS, with ratios to kvserve; writes JSON.
     python benchmarks/cpu_performance.py [--model gemma3-270m] [--dtype bfloat16] [--quantization auto]
         [--cpu-path avx2] [--skip-hf] [--skip-served] [--served-only | --batch1-only] [--repeat N]
         [--peer vllm=http://127.0.0.1:8001 --peer llamacpp=http://127.0.0.1:8002]
-        [--peer-launch vllm="COMMAND that starts it" ...]
+        [--peer-launch vllm="COMMAND that starts it" ...] [--peer-weights vllm=bf16 --peer-weights llamacpp=gguf]
 
 --cpu-path forces kvserve's own rows onto one CPU path (KVSERVE_CPU_ISA; default: the CPU's best): the
 server it starts, and this process's in-process rows, whose torch is capped to the path (isa.cap_torch)
@@ -38,6 +42,7 @@ and a second table gives each row's median tok/s and median ratio to kvserve.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -56,6 +61,7 @@ import roofs
 import row_roofs
 import torch
 from cpu_performance_tables import print_tables
+from offline_throughput import attach_shares as attach_offline_shares
 from offline_throughput import offline_rounds, random_prompts
 from torch.profiler import ProfilerActivity, profile
 
@@ -69,7 +75,7 @@ from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
 from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.model.decode_cost import DecodeCost
-from kvserve.model.registry import DEFAULT_MODEL, load_model
+from kvserve.model.registry import DEFAULT_MODEL
 
 MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "kvserve::gemv_bf16", "kvserve::quant_gemv")
 PROMPT_LEN = OUTPUT_LEN = 128  # every row's
@@ -239,38 +245,51 @@ def served_rows(name: str, url: str, model: str, repeat: int) -> list[dict[str, 
     return rows
 
 
-def decode_cost(model: str, dtype: str, quantization: str) -> DecodeCost:
-    """What decoding costs `model` as kvserve's rows ran it (model/decode_cost.py), from its loaded weights."""
-    loaded = load_model(model)
-    torch_dtype = getattr(torch, dtype)
-    cpu_device = torch.device("cpu")
-    weights = loaded.load_weights(torch_dtype, keeps_quantized(quantization, cpu_device)).to(torch_dtype, cpu_device)
-    return DecodeCost.of(weights, loaded.config, torch_dtype)
-
-
-def attach_shares(results: dict[str, Any], path_roofs: dict[str, Any], cost: DecodeCost) -> None:
-    """Each row's roof on kvserve's path and its share of it (row_roofs.py), written into its results."""
-    gemm, gemm_kind = row_roofs.gemm_rate(path_roofs, results["dtype"], results["quantized"])
-    batch1 = row_roofs.batch1_roof(cost, path_roofs, gemm, PROMPT_LEN, OUTPUT_LEN)
-    results["row_roofs"] = {"gemm": gemm_kind, "weight_bytes_per_step": cost.weight_bytes, "batch1": batch1}
+def attach_shares(
+    results: dict[str, Any], path_roofs: dict[str, Any], costs: dict[str, tuple[row_roofs.Weights, DecodeCost]]
+) -> None:
+    """Each batch-1 and served row's roof on kvserve's path and its share of it (row_roofs.py), from the
+    weights and cost of the row's own engine (`costs`, by engine name). An engine missing from `costs` gets
+    no roof: its rows' share is None, and "roof_weights" None says why (n/a, not a row without a roof)."""
+    results["row_roofs"] = {}
+    for engine, (weights, cost) in costs.items():
+        gemm, gemm_kind = row_roofs.gemm_rate(path_roofs, weights)
+        results["row_roofs"][engine] = {
+            "weights": dataclasses.asdict(weights),
+            "gemm": gemm_kind,
+            "weight_bytes_per_step": cost.weight_bytes,
+            "batch1": row_roofs.batch1_roof(cost, path_roofs, gemm, PROMPT_LEN, OUTPUT_LEN),
+        }
+        for count, rate, concurrency, _ in SERVED_RUNS.values():
+            if rate == float("inf") and concurrency is None:
+                roof = row_roofs.batch_roof(cost, path_roofs, gemm, count, PROMPT_LEN, OUTPUT_LEN)
+                results["row_roofs"][engine][f"{count} at once"] = roof
     if "batch1" in results:
-        results["batch1"]["share_of_roof"] = batch1["tpot_ms"] / results["batch1"]["tpot_p50_ms"]
-    if "offline" in results:
-        roof = row_roofs.batch_roof(cost, path_roofs, gemm, OFFLINE_REQUESTS, PROMPT_LEN, OUTPUT_LEN)
-        results["row_roofs"]["offline"] = roof
-        for engines in results["offline"]["rounds"]:
-            for row in engines.values():
-                row["share_of_roof"] = row["output_tok_s"] / roof["output_tok_s"]
+        roof = results["row_roofs"]["kvserve"]["batch1"]
+        results["batch1"]["share_of_roof"] = roof["tpot_ms"] / results["batch1"]["tpot_p50_ms"]
     for row in results["served"]:
-        count, rate, concurrency, _ = SERVED_RUNS[row["run"]]
-        if concurrency == 1:
-            row["share_of_roof"] = batch1["tpot_ms"] / row["tpot_p50_ms"] if row["tpot_p50_ms"] else None
-        elif rate == float("inf"):
-            roof = row_roofs.batch_roof(cost, path_roofs, gemm, count, PROMPT_LEN, OUTPUT_LEN)
-            results["row_roofs"][row["run"]] = roof
-            row["share_of_roof"] = row["output_tok_s"] / roof["output_tok_s"]
-        else:
-            row["share_of_roof"] = None  # arrivals over time: no single batch, no roof
+        engine_roofs = results["row_roofs"].get(row["engine"])
+        row["roof_weights"] = None if engine_roofs is None else engine_roofs["weights"]
+        row["share_of_roof"] = None if engine_roofs is None else _served_share(row, engine_roofs)
+
+
+def _served_share(row: dict[str, Any], engine_roofs: dict[str, Any]) -> float | None:
+    count, rate, concurrency, _ = SERVED_RUNS[row["run"]]
+    if concurrency == 1:
+        return engine_roofs["batch1"]["tpot_ms"] / row["tpot_p50_ms"] if row["tpot_p50_ms"] else None
+    if rate == float("inf"):
+        return row["output_tok_s"] / engine_roofs[f"{count} at once"]["output_tok_s"]
+    return None  # arrivals over time: no single batch, no roof
+
+
+def engine_costs(
+    model: str, dtype: str, quantization: str, peer_weights: dict[str, str]
+) -> dict[str, tuple[row_roofs.Weights, DecodeCost]]:
+    """kvserve's weights and cost as its rows ran, and each peer's named in `peer_weights` (NAME: a key of
+    row_roofs.PEER_WEIGHTS)."""
+    held = {"kvserve": row_roofs.kvserve_weights(dtype, quantization)}
+    held |= {name: row_roofs.PEER_WEIGHTS[kind] for name, kind in peer_weights.items()}
+    return {name: (weights, row_roofs.model_cost(model, weights)) for name, weights in held.items()}
 
 
 def main() -> None:
@@ -297,12 +316,23 @@ def main() -> None:
         help="NAME=COMMAND: start peer NAME with this shell line right before its rows, stop it after",
     )  # fmt: skip
     parser.add_argument(
+        "--peer-weights", action="append", default=[],
+        help=f"NAME=WEIGHTS, one of {sorted(row_roofs.PEER_WEIGHTS)}: what peer NAME reads per step, for its "
+        "share of roof (gguf: the GGUF file's tensors as stored); a peer without it has no share (n/a)",
+    )  # fmt: skip
+    parser.add_argument(
         "--repeat", type=int, default=1,
         help="run the served rows in this many rounds, every engine once per round (this VM's speed moves "
         "within minutes); the table then adds each row's median",
     )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/cpu_performance.json")
     args = parser.parse_args()
+    peer_weights = dict(item.split("=", 1) for item in args.peer_weights)
+    peer_names = {peer.partition("=")[0] for peer in args.peer}
+    for name, kind in peer_weights.items():
+        if name not in peer_names or kind not in row_roofs.PEER_WEIGHTS:
+            kinds = sorted(row_roofs.PEER_WEIGHTS)
+            parser.error(f"--peer-weights {name}={kind}: NAME must be a --peer's, WEIGHTS one of {kinds}")
 
     # The peers' and the roof probes' environment: without this run's forced path.
     base_env = dict(os.environ)
@@ -343,14 +373,16 @@ def main() -> None:
         if not args.batch1_only:
             prompts = random_prompts(OFFLINE_REQUESTS, PROMPT_LEN)
             results["offline"] = offline_rounds(
-                prompts, OUTPUT_LEN, args.dtype, args.repeat, not args.skip_hf, args.model, args.quantization
+                prompts, OUTPUT_LEN, args.dtype, args.repeat, not args.skip_hf, args.model, (args.quantization,)
             )
         results["batch1"] = batch1_decode(args.dtype, args.model, args.quantization)
         if not args.batch1_only:
             results["bf16_vs_fp32"] = dtype_agreement.measure(with_hf=not args.skip_hf)
 
     path_roofs = next(r for r in results["roofs"] if r["path"] == path.isa.name)
-    attach_shares(results, path_roofs, decode_cost(args.model, args.dtype, args.quantization))
+    attach_shares(results, path_roofs, engine_costs(args.model, args.dtype, args.quantization, peer_weights))
+    if "offline" in results:
+        attach_offline_shares(results["offline"], path_roofs)
     print_tables(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,17 +21,24 @@ def _share(value: float | None) -> str:
 
 def print_tables(results: dict[str, Any]) -> None:
     roofs.print_table(results["roofs"])
-    roof = results["row_roofs"]
     print(
         f"\nkvserve ran {results['cpu_path']}, {results['dtype']}, quantization {results['quantization']} "
-        f"({'weights in GGUF blocks' if results['quantized'] else 'dense weights'}): "
-        f"a decode step reads {roof['weight_bytes_per_step'] / 1e6:.1f} MB of weights; rows' roofs take this "
-        f"path's {roof['gemm']} GEMM rate and its huge-page stream"
+        f"({'weights in GGUF blocks' if results['quantized'] else 'dense weights'}); rows' roofs take this path's "
+        "huge-page stream and the GEMM rate each engine's weights can reach on it:"
     )
+    for engine, roof in results["row_roofs"].items():
+        w = roof["weights"]
+        print(
+            f"- {engine}: {w['dtype']}{', matrices in GGUF blocks' if w['quantized'] else ''}, K/V {w['kv_dtype']}: "
+            f"a decode step reads {roof['weight_bytes_per_step'] / 1e6:.1f} MB of weights; {roof['gemm']} GEMM"
+        )
+    peers = {r["engine"] for r in results["served"]} - set(results["row_roofs"])
+    if peers:
+        print(f"- {', '.join(sorted(peers))}: weights not given (--peer-weights), share n/a")
     if "offline" in results:
         print_offline_rows(results)
     if "batch1" in results:
-        print_batch1(results["batch1"], roof["batch1"])
+        print_batch1(results["batch1"], results["row_roofs"]["kvserve"]["batch1"])
     if "bf16_vs_fp32" in results:
         dtype_agreement.print_table(results["bf16_vs_fp32"])
     if results["served"]:
@@ -41,12 +48,6 @@ def print_tables(results: dict[str, Any]) -> None:
 def print_offline_rows(results: dict[str, Any]) -> None:
     print(f"\n## offline 64 x 128/128, {results['dtype']}, {results['threads']} threads")
     print_rounds(results["offline"])
-    roof = results["row_roofs"]["offline"]
-    shares = "; ".join(
-        f"round {i + 1}: " + ", ".join(f"{engine} {_share(row['share_of_roof'])}" for engine, row in engines.items())
-        for i, engines in enumerate(results["offline"]["rounds"])
-    )
-    print(f"roof {roof['output_tok_s']:.0f} tok/s ({roof['bound']}-bound); share of it: {shares}")
 
 
 def print_batch1(b1: dict[str, Any], roof: dict[str, Any]) -> None:
@@ -73,16 +74,22 @@ def print_served_rows(results: dict[str, Any], served: list[dict[str, Any]]) -> 
         print(
             f"| {label} | {r['engine']} | {_fmt(r['output_tok_s'])} | {_fmt(r['ttft_p50_ms'])} / "
             f"{_fmt(r['ttft_p99_ms'])} | {_fmt(r['tpot_p50_ms'])} / {_fmt(r['tpot_p99_ms'])} | {r['failed']} | "
-            f"{_fmt(ratio, 2)} | {_share(r['share_of_roof'])} | {_fmt(r['machine_memory_gb_s'])} | "
+            f"{_fmt(ratio, 2)} | {_served_share(r)} | {_fmt(r['machine_memory_gb_s'])} | "
             f"{r['client_cpu_s']:.2f} |"
         )
     print(
         "share of roof: out tok/s of the all-at-once row against row_roofs.batch_roof, the batch-1 row's TPOT p50 "
-        "against the batch-1 roof; every engine against the roof of kvserve's path; Poisson rows have none"
+        "against the batch-1 roof; every engine against its own weights' roof on kvserve's path (n/a: its weights "
+        "not given); Poisson rows have none"
     )
     if repeats > 1:
         print_served_medians(served, base)
     print(f"\nkvserve server peak RSS: {_fmt(results.get('kvserve_server_peak_rss_mb'))} MB")
+
+
+def _served_share(row: dict[str, Any]) -> str:
+    """A served row's share of its roof: n/a where its engine's weights are unknown, – where it has no roof."""
+    return "n/a" if row["roof_weights"] is None else _share(row["share_of_roof"])
 
 
 def print_served_medians(served: list[dict[str, Any]], base: dict[tuple[str, int], float]) -> None:

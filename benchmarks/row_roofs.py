@@ -12,22 +12,64 @@ FLOPs over the GEMM rate, whichever is longer.
   are sampled). Roof tok/s = output tokens / max(bytes / stream, FLOPs / GEMM); share = measured / roof.
 - Poisson arrivals have no single batch, so no roof.
 
+Every engine's row is measured against its own bytes and FLOPs (`Weights`: how it holds the model): a peer
+reading a Q4_1 GGUF reads a third of what kvserve's bf16 weights take, so the roof of one is no roof of the
+other. A peer whose weights are not known has no roof (its share is n/a), never kvserve's.
+
 The GEMM rate: bf16 where the path multiplies bf16 natively and the weights are dense bf16, float32
 otherwise (without native bf16 kvserve multiplies bf16 weights widened to float32; quantized blocks are
-dequantized to float32 tiles).
+dequantized to float32 tiles; a peer cannot multiply faster than the machine's float32 rate either).
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from kvserve.engine.platform import keeps_quantized
 from kvserve.model.decode_cost import DecodeCost
+from kvserve.model.registry import load_model
 
 
-def gemm_rate(roofs: dict[str, Any], dtype: str, quantized: bool) -> tuple[float, str]:
-    """The GEMM FLOP/s a row's products can reach on this path, and which roof it is ("bf16", "fp32")."""
-    if dtype == "bfloat16" and roofs["native_bf16"] and not quantized:
+@dataclass(frozen=True)
+class Weights:
+    """How an engine holds the model, as far as its roof goes: its dense tensors' dtype, whether its
+    matrices stay in their GGUF blocks, and its K/V cache's dtype."""
+
+    dtype: str  # a torch dtype's name: "bfloat16", "float32"
+    quantized: bool
+    kv_dtype: str
+
+
+# A peer's weights by the name --peer-weights takes. gguf: the GGUF file's tensors as stored (its matrices
+# in their blocks, its norms float32, as the file holds them) with a 16-bit K/V cache, as llama.cpp runs it
+# (f16 K/V by default) and as kvserve --quantization auto does (its K/V in its dtype, bf16 by default).
+PEER_WEIGHTS = {
+    "bf16": Weights("bfloat16", False, "bfloat16"),
+    "fp32": Weights("float32", False, "float32"),
+    "gguf": Weights("float32", True, "float16"),
+}
+
+
+def kvserve_weights(dtype: str, quantization: str) -> Weights:
+    """kvserve's weights at `dtype` and `quantization` (as serve's --quantization), on this CPU."""
+    return Weights(dtype, keeps_quantized(quantization, torch.device("cpu")), dtype)
+
+
+def model_cost(model: str, weights: Weights) -> DecodeCost:
+    """What decoding costs `model` held as `weights` (model/decode_cost.py), from its loaded weights."""
+    loaded = load_model(model)
+    dtype = getattr(torch, weights.dtype)
+    held = loaded.load_weights(dtype, weights.quantized).to(dtype, torch.device("cpu"))
+    return DecodeCost.of(held, loaded.config, getattr(torch, weights.kv_dtype))
+
+
+def gemm_rate(roofs: dict[str, Any], weights: Weights) -> tuple[float, str]:
+    """The GEMM FLOP/s products of `weights` can reach on this path, and which roof it is ("bf16", "fp32")."""
+    if weights.dtype == "bfloat16" and roofs["native_bf16"] and not weights.quantized:
         return roofs["gemm_bf16"]["flop_s"], "bf16"
     return roofs["gemm_fp32"]["flop_s"], "fp32"
 
@@ -44,7 +86,9 @@ def batch1_roof(cost: DecodeCost, roofs: dict[str, Any], gemm: float, prompt_len
 def batch_roof(
     cost: DecodeCost, roofs: dict[str, Any], gemm: float, requests: int, prompt_len: int, output_len: int
 ) -> dict:
-    """{output_tok_s, bound} of `requests` requests of `prompt_len` / `output_len` tokens served at once."""
+    """{output_tok_s, bound, memory_tok_s, compute_tok_s} of `requests` requests of `prompt_len` /
+    `output_len` tokens served at once: the roofline, which side binds, and each side's own roof (memory:
+    the step-bytes roof)."""
     stream = roofs["stream_huge"]["gb_s"] * 1e9
     decode_contexts = range(prompt_len + 1, prompt_len + output_len)
     reads = cost.weight_bytes + sum(cost.step_bytes([n] * requests) for n in decode_contexts)
@@ -54,4 +98,6 @@ def batch_roof(
     return {
         "output_tok_s": requests * output_len / max(memory, compute),
         "bound": "memory" if memory >= compute else "compute",
+        "memory_tok_s": requests * output_len / memory,
+        "compute_tok_s": requests * output_len / compute,
     }

@@ -1,20 +1,39 @@
 """benchmarks/roofs.py: run as cpu_performance.py runs it (`--json`, a process per CPU path), at small sizes,
 every roof is a positive finite figure, each process runs the path it was set up for, and the huge-page
-buffer is on huge pages where the kernel grants them (the 4 KiB one never). No timing is asserted."""
+buffer is on huge pages where the kernel grants them (the 4 KiB one never). No timing is asserted.
+
+benchmarks/row_roofs.py and cpu_performance.py's shares: each engine's bytes per step are those of its own
+weights, against the GGUF file's tensors read directly; a served row's share is taken against its own
+engine's roof, and an engine whose weights are not given has none (n/a), on synthetic roofs and rows."""
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
+import gguf
 import pytest
 
 from kvserve.kernels.cpu import build_config
+from kvserve.model.registry import DEFAULT_MODEL, bundled_gguf_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import roofs  # noqa: E402  (a benchmark script, importable from its folder)
+import cpu_performance  # noqa: E402  (benchmark scripts, importable from their folder)
+import cpu_performance_tables  # noqa: E402
+import roofs  # noqa: E402
+import row_roofs  # noqa: E402
+
+# A machine with no native bf16 whose stream and GEMM rate are round figures.
+SYNTHETIC_ROOFS: dict[str, Any] = {
+    "native_bf16": False,
+    "stream_huge": {"gb_s": 20.0},
+    "gemm_bf16": {"flop_s": 1e9},
+    "gemm_fp32": {"flop_s": 1e11},
+}
 
 
 @pytest.mark.parametrize("path", [isa.name for isa in build_config.executable_isas()])
@@ -38,3 +57,58 @@ def test_a_forced_path_caps_torch_and_the_best_path_runs_unforced() -> None:
     if len(executable) > 1:
         assert generic["KVSERVE_CPU_ISA"] == "generic"
         assert generic["ATEN_CPU_CAPABILITY"] == "default"
+
+
+def test_each_peer_weights_reads_the_gguf_files_tensors_at_its_own_size() -> None:
+    """The reference: the bundled GGUF's tensors, read from the file. Dense weights read every element at
+    their dtype's width, gguf ones each tensor's stored bytes; the LM head, tied to the embedding table
+    where the file has no output.weight, is read once a step, the table otherwise one row a token."""
+    tensors = {t.name: t for t in gguf.GGUFReader(bundled_gguf_path(DEFAULT_MODEL)).tensors}
+    table = tensors["token_embd.weight"]
+    untied = "output.weight" in tensors
+    elements = sum(int(t.n_elements) for t in tensors.values()) - (int(table.n_elements) if untied else 0)
+    stored = sum(int(t.n_bytes) for t in tensors.values()) - (int(table.n_bytes) if untied else 0)
+    row_elements, vocab = (int(n) for n in table.shape)  # GGUF's shapes list the row's length first
+    expected = {"bf16": (2 * elements, 2 * row_elements), "fp32": (4 * elements, 4 * row_elements),
+                "gguf": (stored, int(table.n_bytes) // vocab)}  # fmt: skip
+    for name, weights in row_roofs.PEER_WEIGHTS.items():
+        cost = row_roofs.model_cost(DEFAULT_MODEL, weights)
+        assert (cost.weight_bytes, cost.embedding_row_bytes) == expected[name], name
+    gguf_cost = row_roofs.model_cost(DEFAULT_MODEL, row_roofs.PEER_WEIGHTS["gguf"])
+    assert gguf_cost.weight_bytes < expected["bf16"][0] / 2  # the bug this guards: blocks counted as bf16
+
+
+def _served_row(engine: str, run: str, tok_s: float, tpot_ms: float) -> dict:
+    return {"engine": engine, "run": run, "output_tok_s": tok_s, "tpot_p50_ms": tpot_ms}
+
+
+def test_every_served_row_takes_its_own_engines_roof_and_an_unknown_engine_has_none() -> None:
+    at_once, poisson, batch1 = cpu_performance.SERVED_RUNS
+    engines = ("kvserve", "llamacpp", "mystery")
+    results = {"served": [_served_row(e, run, 100.0, 20.0) for e in engines for run in (at_once, poisson, batch1)]}
+    weights = {"kvserve": row_roofs.kvserve_weights("bfloat16", "none"), "llamacpp": row_roofs.PEER_WEIGHTS["gguf"]}
+    costs = {name: (w, row_roofs.model_cost(DEFAULT_MODEL, w)) for name, w in weights.items()}
+    cpu_performance.attach_shares(results, SYNTHETIC_ROOFS, costs)
+    share = {(r["engine"], r["run"]): r["share_of_roof"] for r in results["served"]}
+
+    stream = SYNTHETIC_ROOFS["stream_huge"]["gb_s"] * 1e9
+    prompt, output = cpu_performance.PROMPT_LEN, cpu_performance.OUTPUT_LEN
+    requests = cpu_performance.SERVED_RUNS[at_once][0]
+    for engine, (_, cost) in costs.items():
+        # Batch 1 here is memory-bound (a step's bytes at 20 GB/s take longer than its FLOPs at 100 GFLOP/s):
+        # its roof is the mean step's bytes over the stream.
+        roof_s = statistics.fmean(cost.step_bytes([n]) / stream for n in range(prompt + 1, prompt + output))
+        assert share[(engine, batch1)] == pytest.approx(roof_s * 1000 / 20.0)
+        # All at once: the roofline of this engine's own bytes and FLOPs (row_roofs.batch_roof).
+        gemm, _ = row_roofs.gemm_rate(SYNTHETIC_ROOFS, weights[engine])
+        roof = row_roofs.batch_roof(cost, SYNTHETIC_ROOFS, gemm, requests, prompt, output)
+        assert share[(engine, at_once)] == pytest.approx(100.0 / roof["output_tok_s"])
+        assert share[(engine, poisson)] is None
+    # The same TPOT against about a third of kvserve bf16's bytes: about a third of its share.
+    assert share[("llamacpp", batch1)] < share[("kvserve", batch1)] / 2
+    assert all(share[("mystery", run)] is None for run in (at_once, poisson, batch1))
+
+    cells = {(r["engine"], r["run"]): cpu_performance_tables._served_share(r) for r in results["served"]}
+    assert cells[("mystery", at_once)] == cells[("mystery", batch1)] == "n/a"
+    assert cells[("kvserve", poisson)] == cells[("llamacpp", poisson)] == "–"
+    assert cells[("llamacpp", batch1)] == f"{share[('llamacpp', batch1)]:.0%}"
