@@ -20,6 +20,7 @@ namespace {
 
 // 32 rows x K floats: 72 KiB at K = 576, 192 KiB at K = 1,536 (L2 is 512 KiB-2 MiB on current x86).
 constexpr int64_t kPanelRows = 32;
+static_assert(kPanelRows % quant::RowGroup<quant::Q4_1>::kRows == 0, "a panel holds whole row groups");
 constexpr int kXRows = 3, kWRows = 4;
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -80,9 +81,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
       std::vector<float> tile(kPanelRows * k);
       for (int64_t panel = begin; panel < end; ++panel) {
         const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
-        for (int64_t r = 0; r < w_rows; ++r)
-          for (int64_t b = 0; b < k / Block::kElems; ++b)
-            quant::dequantize_block<Block>(w, row_bytes, n0 + r, b, tile.data() + r * k + b * Block::kElems);
+        quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile.data());
         int64_t m = 0;
         for (; m + kXRows <= rows; m += kXRows)
           rows_times_tile<kXRows>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);

@@ -35,26 +35,44 @@ struct RowGroup {
     for (int64_t j = 0; j < 4; ++j) std::memcpy(block + kFieldBytes + 4 * j, group + kQsOffset + 32 * j + 4 * r, 4);
   }
 
-  // Row r of the group block dequantized, exactly as Base::dequantize (and gguf) computes it: the same
-  // vector operations on the row's 16 qs bytes, gathered into a register (a copy through memory would
-  // stall on store forwarding: four 4-byte stores read back as one 16-byte load).
-  static void dequantize_row(const uint8_t* group, int64_t r, float* out) {
+  // The eight rows of group block `group` dequantized into out + r * stride (row r's Base::kElems floats),
+  // exactly as Base::dequantize (and gguf) computes them: a transpose of the four qs vectors gives each
+  // row its 16 GGML qs bytes, then the same vector operations as GGML's layout.
+  static void dequantize_group(const uint8_t* group, float* out, int64_t stride) {
 #ifdef KVSERVE_QUANT_AVX2
-    const uint8_t* qs = group + kQsOffset + 4 * r;
-    int32_t dwords[4];
-    for (int j = 0; j < 4; ++j) std::memcpy(&dwords[j], qs + 32 * j, 4);
-    const __m256i q = nibbles32(_mm_setr_epi32(dwords[0], dwords[1], dwords[2], dwords[3]));
-    const float d = half_to_float(group + 2 * r);
-    if constexpr (std::is_same_v<Base, Q4_1>)
-      widen32<true>(q, d, d, half_to_float(group + 2 * kRows + 2 * r), out);
-    else
-      widen32<false>(_mm256_sub_epi8(q, _mm256_set1_epi8(8)), d, d, 0.f, out);
+    const __m256i* qs = reinterpret_cast<const __m256i*>(group + kQsOffset);
+    const __m256i v0 = _mm256_loadu_si256(qs), v1 = _mm256_loadu_si256(qs + 1);
+    const __m256i v2 = _mm256_loadu_si256(qs + 2), v3 = _mm256_loadu_si256(qs + 3);
+    // Dword r of v_j is row r's qs bytes 4j .. 4j+3; per 128-bit lane, rows 0-3 and 4-7.
+    const __m256i rows01 = _mm256_unpacklo_epi32(v0, v1), rows23 = _mm256_unpackhi_epi32(v0, v1);
+    const __m256i rows01_high = _mm256_unpacklo_epi32(v2, v3), rows23_high = _mm256_unpackhi_epi32(v2, v3);
+    const __m256i row_pairs[4] = {
+        _mm256_unpacklo_epi64(rows01, rows01_high), _mm256_unpackhi_epi64(rows01, rows01_high),
+        _mm256_unpacklo_epi64(rows23, rows23_high), _mm256_unpackhi_epi64(rows23, rows23_high)};  // rows p | p + 4
+    for (int p = 0; p < 4; ++p) {
+      dequantize_qs(_mm256_castsi256_si128(row_pairs[p]), group, p, out + p * stride);
+      dequantize_qs(_mm256_extracti128_si256(row_pairs[p], 1), group, p + 4, out + (p + 4) * stride);
+    }
     return;
 #endif
     uint8_t block[Base::kBytes];
-    gather(group, r, block);
-    Base::dequantize(block, out);
+    for (int64_t r = 0; r < kRows; ++r) {
+      gather(group, r, block);
+      Base::dequantize(block, out + r * stride);
+    }
   }
+
+ private:
+#ifdef KVSERVE_QUANT_AVX2
+  // Row r's values from its 16 GGML-order qs bytes and its scale fields, as Base::dequantize does.
+  static void dequantize_qs(__m128i qs, const uint8_t* group, int64_t r, float* out) {
+    const float d = half_to_float(group + 2 * r);
+    if constexpr (std::is_same_v<Base, Q4_1>)
+      widen32<true>(nibbles32(qs), d, d, half_to_float(group + 2 * kRows + 2 * r), out);
+    else
+      widen32<false>(_mm256_sub_epi8(nibbles32(qs), _mm256_set1_epi8(8)), d, d, 0.f, out);
+  }
+#endif
 };
 
 // The block layouts quant_gemv and quant_linear multiply: GGML's (any row count) and the row groups.
@@ -78,15 +96,20 @@ constexpr int64_t rows_per_stored_row() {
     return 1;
 }
 
-// Row n's block b dequantized into out (Block::kElems floats), in either layout.
+// Weight rows n0 .. n0 + rows - 1 (n0 and rows whole groups in row groups) dequantized into tile
+// (row r at tile + r * k), in either layout.
 template <typename Block>
-inline void dequantize_block(const uint8_t* blocks, int64_t row_bytes, int64_t n, int64_t b, float* out) {
+inline void dequantize_rows_into(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t rows, int64_t k,
+                                 float* tile) {
   constexpr int64_t kRows = rows_per_stored_row<Block>();
-  const uint8_t* block = blocks + (n / kRows) * row_bytes + b * Block::kBytes;
-  if constexpr (kRows == 1)
-    Block::dequantize(block, out);
-  else
-    Block::dequantize_row(block, n % kRows, out);
+  for (int64_t r = 0; r < rows; r += kRows)
+    for (int64_t b = 0; b < k / Block::kElems; ++b) {
+      const uint8_t* block = blocks + (n0 + r) / kRows * row_bytes + b * Block::kBytes;
+      if constexpr (kRows == 1)
+        Block::dequantize(block, tile + r * k + b * Block::kElems);
+      else
+        Block::dequantize_group(block, tile + r * k + b * Block::kElems, k);
+    }
 }
 
 }  // namespace kvserve::quant
