@@ -206,10 +206,9 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, floa
 // eight u8 x s8 pair products per lane are summed in int16 before widening: eight of them reach at most
 // 8 * 2 * 15 * 127 = 30,480 < 32,767 (x's int8 never holds -128: |q| <= 127 by its scale).
 //
-// Rows m0 .. m0+M-1 of x times group block row `group` (all its blocks) into y.
+// The M rows of x times group block row `group` (all its blocks) into y.
 template <typename Group, int M>
-inline void row_group_rows(const uint8_t* group, const Activations& x, int64_t m0, float* y, int64_t n_total,
-                           int64_t g) {
+inline void row_group_rows(const uint8_t* group, const Activations& x, float* y, int64_t n_total, int64_t g) {
   constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;  // else Q4_0: offset -8 d
   const int64_t xblocks = x.k / kXBlock;
   const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
@@ -227,7 +226,7 @@ inline void row_group_rows(const uint8_t* group, const Activations& x, int64_t m
       q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     }
     for (int m = 0; m < M; ++m) {
-      const int64_t i = (m0 + m) * xblocks + b;
+      const int64_t i = m * xblocks + b;
       const int8_t* xq = x.q.data() + i * kXBlock;
       __m256i sum = _mm256_setzero_si256();
       for (int t = 0; t < 8; ++t) {
@@ -241,7 +240,7 @@ inline void row_group_rows(const uint8_t* group, const Activations& x, int64_t m
     }
   }
   for (int m = 0; m < M; ++m)
-    _mm256_storeu_ps(y + (m0 + m) * n_total + g * Group::kRows, _mm256_add_ps(acc[m], acc_offset[m]));
+    _mm256_storeu_ps(y + m * n_total + g * Group::kRows, _mm256_add_ps(acc[m], acc_offset[m]));
 }
 
 // Every row of x (1 to kGemvMaxRows = 2: two rows' accumulators and a block's eight unpacked weight
@@ -252,9 +251,9 @@ void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& 
   at::parallel_for(0, n_total / Group::kRows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       if (rows == 2)
-        row_group_rows<Group, 2>(w + g * group_bytes, x, 0, y, n_total, g);
+        row_group_rows<Group, 2>(w + g * group_bytes, x, y, n_total, g);
       else
-        row_group_rows<Group, 1>(w + g * group_bytes, x, 0, y, n_total, g);
+        row_group_rows<Group, 1>(w + g * group_bytes, x, y, n_total, g);
     }
   });
 }
