@@ -15,13 +15,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 
 import llguidance
-import llguidance.torch as llt
+import llguidance.numpy as llnp
 import torch
 
 
 @cache
 def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()
+
+
+def _new_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """[rows, words] int32, every token allowed. (llguidance.torch's helpers are not used: importing that
+    module compiles a kernel with torch.compile, which loads torch's compiler stack, ~115 MiB of RSS in
+    every server process; its numpy helpers write into the same memory.)"""
+    return torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
 
 
 @cache
@@ -44,8 +51,8 @@ def _penalty_of_byte() -> torch.Tensor:
 
 def compute_masks(matchers: list[llguidance.LLMatcher], vocab: int) -> torch.Tensor:
     """[len(matchers), words] int32 packed masks: the tokens each matcher allows next."""
-    bitmask = llt.allocate_token_bitmask(len(matchers), vocab)
-    llt.fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask)
+    bitmask = _new_bitmask(len(matchers), vocab)
+    llnp.fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(matchers)], bitmask.numpy())
     return bitmask
 
 
@@ -71,8 +78,8 @@ def mask_draft_rows(logits: torch.Tensor, matcher: llguidance.LLMatcher, drafts:
     row i masked by the grammar state after drafts[:i] (the matcher itself is left where it was). Rows
     after the first draft the grammar rejects keep whatever llguidance wrote (all allowed)."""
     vocab = logits.shape[1]
-    bitmask = llt.allocate_token_bitmask(logits.shape[0], vocab)
-    llt.fill_next_token_bitmask_par_with_draft_tokens(_executor(), [(matcher, 0, list(drafts))], bitmask)
+    bitmask = _new_bitmask(logits.shape[0], vocab)
+    llnp.fill_next_token_bitmask_par_with_draft_tokens(_executor(), [(matcher, 0, list(drafts))], bitmask.numpy())
     return logits.float() + grammar_penalties(bitmask, vocab).to(logits.device)
 
 
