@@ -120,13 +120,13 @@ def batch1_decode(dtype: str, model: str, quantization: str) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _peak_rss_mb(pid: int) -> float | None:
+def peak_rss_mb(pid: int) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -157,7 +157,7 @@ def start_kvserve(
     # The first start after a kernel source change compiles them (~4 min on 2 cores): done here, so the
     # server finds them built and its start-up timeout measures only its own start-up.
     cpu.load()
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", model, "--port", str(port), "--dtype", dtype,
            "--quantization", quantization]  # fmt: skip
     if threads:
@@ -176,10 +176,10 @@ def kvserve_rows(
     try:
         rows = served_rows("kvserve", url, served_model(url), repeat)
     finally:
-        peak_rss_mb = _peak_rss_mb(proc.pid)
+        peak_mb = peak_rss_mb(proc.pid)
         proc.terminate()
         proc.wait(timeout=60)
-    return rows, peak_rss_mb
+    return rows, peak_mb
 
 
 def peer_rows(

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,10 +19,12 @@ import pytest
 import torch
 
 from kvserve.cli import HelpWithDefaults, build_parser, engine_config_from_args
+from kvserve.config import EngineConfig
 from kvserve.engine.engine import LLMEngine
-from kvserve.engine.startup_report import RELEVANT_CPU_FEATURES, StartupReport
+from kvserve.engine.startup_report import RELEVANT_CPU_FEATURES, StartupReport, memory_summary
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
+from kvserve.model.quantized_linear import quantized_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small and unusual values, so a report that printed defaults instead of the engine's state would fail.
@@ -46,7 +49,32 @@ def expected_rows(engine: LLMEngine) -> dict[str, str]:
         "max sequences at full context": str(48 // math.ceil(320 / 16)),
         "max_model_len": f"320 tokens (model context {engine.model.config.max_position_embeddings})",
         "queue (max_waiting_requests)": "7",
+        "quantization": f"matrices in GGUF blocks: {engine.quantization} (--quantization auto)",
     }
+
+
+def test_the_cli_keeps_the_bundled_blocks_where_the_kernels_run(engine: LLMEngine) -> None:
+    """The CLI's default quantization is auto (the Python API's is none)."""
+    assert engine.config.quantization == "auto" and EngineConfig().quantization == "none"
+    assert engine.quantization == ("Q4_1 x 120, Q8_0 x 1" if quantized_kernels() is not None else "none")
+
+
+def test_the_memory_row_adds_up_the_engines_tensors(engine: LLMEngine) -> None:
+    weights = engine.model.weights
+    held = [weights.embed_tokens, weights.final_norm, weights.lm_head]
+    held += [t for layer in weights.layers for t in vars(layer).values() if t is not None]
+    distinct = {id(t): t for t in held}.values()
+    blocks = sum(t.nbytes for t in distinct if not isinstance(t, torch.Tensor))
+    dense = sum(t.numel() * t.element_size() for t in distinct if isinstance(t, torch.Tensor))
+    kv_mib = 48 * 16 * 30 * 2 * 3 * 64 * 4 / 2**20
+    row = memory_summary(engine)
+    expected = (
+        f"weights {(blocks + dense) / 2**20:.1f} MiB ({blocks / 2**20:.1f} in GGUF blocks, "
+        f"{dense / 2**20:.1f} dense), KV pool {kv_mib:.1f} MiB; process RSS "
+    )
+    assert row.startswith(expected), row
+    rss, peak = (int(n) for n in re.fullmatch(r".*process RSS (\d+) MiB, peak (\d+) MiB", row).groups())
+    assert (blocks + dense) / 2**20 + kv_mib < rss <= peak
 
 
 def test_info_prints_what_the_engine_chose(engine: LLMEngine) -> None:

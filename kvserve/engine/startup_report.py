@@ -20,6 +20,7 @@ from kvserve.intmath import div_ceil
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
 from kvserve.model.compiled_decode import torch_path_reasons
+from kvserve.model.decode_cost import stored_bytes
 from kvserve.model.registry import load_model, resolve
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def engine_report(engine: LLMEngine) -> StartupReport:
     types = ", ".join(f"{name} x {count}" for name, count in loaded.tensor_types.items())
     report.add("weights", f"{source.kind}: {types}")
     report.add("dtype", f"{str(engine.dtype).removeprefix('torch.')} (--dtype {config.dtype})")
+    report.add("quantization", f"matrices in GGUF blocks: {engine.quantization} (--quantization {config.quantization})")
     report.add("device", f"{engine.device}, {torch.get_num_threads()} threads")
     report.add("attention backend", f"{engine.attention_backend} (--attention-backend {config.attention_backend})")
     kernels = cpu.choice()
@@ -72,6 +74,7 @@ def engine_report(engine: LLMEngine) -> StartupReport:
         f"{num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
         f"{engine.cache.tensor.nbytes} bytes ({engine.cache.tensor.nbytes / 2**20:.1f} MiB)",
     )
+    report.add("memory", memory_summary(engine))
     report.add("max sequences at full context", num_blocks // div_ceil(engine.max_model_len, block_size))
     report.add("max_model_len", f"{engine.max_model_len} tokens (model context {model_config.max_position_embeddings})")
     report.add("max_num_seqs", config.max_num_seqs)
@@ -82,6 +85,21 @@ def engine_report(engine: LLMEngine) -> StartupReport:
     report.add("chunked prefill", "on" if config.enable_chunked_prefill else "off")
     report.add("speculative", json.dumps(config.speculative) if config.speculative else "off")
     return report
+
+
+def memory_summary(engine: LLMEngine) -> str:
+    """What the weights and the KV pool hold, and the process's resident memory now and at its peak: the
+    rest of it is the interpreter and libraries, packed copies of weights, and what loading left behind."""
+    weights = engine.model.weights.tensors()
+    blocks = sum(stored_bytes(t) for t in weights if not isinstance(t, torch.Tensor))
+    dense = sum(stored_bytes(t) for t in weights if isinstance(t, torch.Tensor))
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    rss, peak = (int(status[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM"))  # kB
+    return (
+        f"weights {(blocks + dense) / 2**20:.1f} MiB ({blocks / 2**20:.1f} in GGUF blocks, {dense / 2**20:.1f} "
+        f"dense), KV pool {engine.cache.tensor.nbytes / 2**20:.1f} MiB; process RSS {rss:.0f} MiB, "
+        f"peak {peak:.0f} MiB"
+    )
 
 
 def compiled_decode_summary(engine: LLMEngine) -> str:

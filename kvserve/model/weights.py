@@ -143,6 +143,12 @@ class ModelWeights:
             lm_head=head,
         )
 
+    def tensors(self) -> list[Weight]:
+        """Every tensor the model holds, each once (a tied LM head is the embedding table)."""
+        layer_tensors = [getattr(layer, f.name) for layer in self.layers for f in fields(layer)]
+        held = [self.embed_tokens, *(t for t in layer_tensors if t is not None), self.final_norm, self.lm_head]
+        return list({id(t): t for t in held}.values())
+
     def matrices(self) -> list[Weight]:
         """Every weight matrix, each once (a tied LM head is the embedding table)."""
         layers = [m for w in self.layers for m in (w.qkv_proj, w.o_proj, w.gate_up_proj, w.down_proj)]
