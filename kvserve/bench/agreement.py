@@ -30,11 +30,20 @@ def free_running(reference: Sequence[Sequence[int]], other: Sequence[Sequence[in
     }
 
 
+def forced_contexts(prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each prompt followed by the reference's output before each of its positions, in order."""
+    return [list(p) + list(ref[:i]) for p, ref in zip(prompts, reference, strict=True) for i in range(len(ref))]
+
+
+def share_matching(predicted: Sequence[int], reference: Sequence[Sequence[int]]) -> float:
+    """Share of the reference's tokens (flattened as forced_contexts orders them) that `predicted` names."""
+    expected = [t for ref in reference for t in ref]
+    return sum(p == e for p, e in zip(predicted, expected, strict=True)) / len(expected)
+
+
 def teacher_forced_agreement(llm: LLM, prompts: Sequence[list[int]], reference: Sequence[Sequence[int]]) -> float:
     """Share of positions where `llm`'s greedy token, given the prompt and the reference's output before
     that position, is the reference's token. Runs through the serving path: one single-token request
     per (prompt, position)."""
-    forced = [list(p) + list(ref[:i]) for p, ref in zip(prompts, reference, strict=True) for i in range(len(ref))]
-    outputs = llm.generate(forced, SamplingParams(temperature=0, max_tokens=1))
-    expected = [t for ref in reference for t in ref]
-    return sum(o.token_ids[0] == e for o, e in zip(outputs, expected, strict=True)) / len(expected)
+    outputs = llm.generate(forced_contexts(prompts, reference), SamplingParams(temperature=0, max_tokens=1))
+    return share_matching([o.token_ids[0] for o in outputs], reference)
