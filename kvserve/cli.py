@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from kvserve.config import ATTENTION_BACKENDS, QUANTIZATIONS, EngineConfig
+from kvserve.config import ATTENTION_BACKENDS, CLI_QUANTIZATION, QUANTIZATIONS, EngineConfig
 from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.server.limits import add_server_limit_args, server_limits_from_args
 from kvserve.server.routing import POLICIES
@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=d.device, help="auto: cuda when present, else cpu")
     parser.add_argument(
-        "--quantization", default=d.quantization, choices=QUANTIZATIONS,
+        "--quantization", default=CLI_QUANTIZATION, choices=QUANTIZATIONS,
         help="auto: keep GGUF weights in their blocks where kvserve's quantized kernels run; none: dequantize",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV cache block")

@@ -7,6 +7,10 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none")
+# What `kvserve serve` (every CLI command) keeps in blocks unless told: on the bundled Q4_1 SmolLM2 it
+# serves batch 1 in about half bf16's time and Poisson arrivals with lower latencies, with a third of the
+# weight bytes; all at once within a few percent of bf16 (benchmarks/RESULTS.md, "Default quantization").
+CLI_QUANTIZATION = "auto"
 # The attention backends by name (kernels/backends.py); "auto" picks one for the device.
 BACKEND_NAMES = ("auto_cpu", "cpu", "tiled", "reference", "sdpa", "triton")
 ATTENTION_BACKENDS = ("auto", *BACKEND_NAMES)
@@ -20,6 +24,8 @@ class EngineConfig:
     # "auto": GGUF weights of a block type kvserve's quantized CPU kernels multiply (Q8_0, Q4_0, Q4_1,
     # Q5_0, Q4_K, Q6_K) stay in their blocks, where those kernels run; "none": every weight dequantized
     # to `dtype` at load.
+    # The library's default is "none" (its greedy tokens then do not depend on the batch: the batch-1 GEMV
+    # quantizes activations to int8, the panel product of 3+ rows does not); the CLI's is CLI_QUANTIZATION.
     quantization: str = "none"
     # "auto" is cuda when present, else cpu. Nothing below hard-codes a device.
     device: str = "auto"
