@@ -33,9 +33,10 @@ logger = logging.getLogger(__name__)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors that configure rather than weigh (read by the family's config): not model weights.
 _CONFIG_TENSORS = {"rope_freqs.weight"}
-# Quantized tensors are dequantized this many float32 elements at a time, each piece cast into the
-# serving dtype at once: no whole float32 copy of a large tensor (Gemma's 262k x 640 embedding) exists.
-_DEQUANTIZE_ELEMENTS = 1 << 22
+# Tensors are read from the file this many elements at a time (whole rows), each slice dequantized (to
+# float32) and cast into the serving dtype, or copied as blocks, before the next: no whole float32 copy of
+# a large tensor (Gemma's 262k x 640 embedding) exists, nor all of its file pages at once (row_chunks).
+_CHUNK_ELEMENTS = 1 << 22
 # Tensor types whose rows torch reads from the file as they are (then casts); the rest are dequantized.
 _PLAIN_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16}
 if hasattr(GGMLQuantizationType, "BF16"):
@@ -93,24 +94,34 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _to_dtype(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
-    """One GGUF tensor in `dtype`, in the row-major (numpy) shape; the file is read through its mmap."""
-    shape = list(tensor.shape)
+def _to_dtype(
+    reader: GGUFFile, tensor: GGUFTensor, dtype: torch.dtype, chunk_elements: int = _CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """One GGUF tensor in `dtype`, in the row-major (numpy) shape, read through the file's mmap a slice of
+    rows at a time. Each element is the same as that of dequantizing (or reading) the whole tensor, then
+    casting: both steps are elementwise."""
+    out = torch.empty(tensor.shape, dtype=dtype)
+    flat = out.view(tensor.data.shape[0], -1)
     plain = _PLAIN_TYPES.get(tensor.tensor_type)
-    if plain is not None:
-        # The mmapped bytes are read-only: torch only reads them, the cast (or clone) copies them.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            source = torch.frombuffer(tensor.data.data.cast("B"), dtype=plain).view(shape)
-        return source.to(dtype) if plain != dtype else source.clone()
-    out = torch.empty(shape, dtype=dtype)
-    rows = tensor.data  # quantized rows: [rows, bytes per row]
-    flat = out.view(rows.shape[0], -1)
-    step = max(1, _DEQUANTIZE_ELEMENTS // flat.shape[1])
-    for start in range(0, rows.shape[0], step):
-        piece = dequantize(rows[start : start + step], tensor.tensor_type).astype(np.float32, copy=False)
-        flat[start : start + step] = torch.from_numpy(np.ascontiguousarray(piece)).view(-1, flat.shape[1])
+    for start, rows in reader.row_chunks(tensor, chunk_elements):
+        if plain is not None:
+            # The mmapped bytes are read-only: torch only reads them, the assignment below copies them.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                piece = torch.frombuffer(rows.data.cast("B"), dtype=plain)
+        else:
+            values = dequantize(rows, tensor.tensor_type).astype(np.float32, copy=False)
+            piece = torch.from_numpy(np.ascontiguousarray(values))
+        flat[start : start + len(rows)] = piece.view(len(rows), -1)
     return out
+
+
+def _blocks(reader: GGUFFile, tensor: GGUFTensor, chunk_elements: int = _CHUNK_ELEMENTS) -> torch.Tensor:
+    """A GGUF tensor's bytes copied out of the mapped file, uint8 [rows, bytes per row]."""
+    out = np.empty(tensor.data.shape, dtype=np.uint8)
+    for start, rows in reader.row_chunks(tensor, chunk_elements):
+        out[start : start + len(rows)] = rows
+    return torch.from_numpy(out)
 
 
 def iter_tensors(
@@ -132,16 +143,15 @@ def iter_tensors(
             heads = config.num_kv_heads
         weight: torch.Tensor | QuantizedTensor
         if keep_quantized and tensor.tensor_type in KERNEL_TYPES and len(tensor.shape) == 2:
-            weight = QuantizedTensor.from_gguf(tensor.data, tensor.tensor_type, tensor.shape)
+            weight = QuantizedTensor(_blocks(reader, tensor), tensor.tensor_type, (tensor.shape[0], tensor.shape[1]))
             if heads is not None:
                 weight = weight.rows(_unpermute_rope_rows(torch.arange(tensor.shape[0]), heads))
         else:
             if keep_quantized and tensor.tensor_type not in _PLAIN_TYPES:
                 dequantized.append(f"{tensor.name} ({tensor.tensor_type.name})")
-            weight = _to_dtype(tensor, dtype)
+            weight = _to_dtype(reader, tensor, dtype)
             if heads is not None:
                 weight = _unpermute_rope_rows(weight, heads)
-        reader.release(tensor)
         yield name, weight
     if dequantized:
         logger.warning("no quantized kernel for these GGUF tensors, dequantized: %s", ", ".join(dequantized))

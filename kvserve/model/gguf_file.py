@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import mmap
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,15 +74,29 @@ class GGUFFile:
             shape = tuple(int(d) for d in reversed(dims))
             self.tensors.append(GGUFTensor(name, shape, kind, data, start + offset))
 
-    def release(self, tensor: GGUFTensor) -> None:
-        """Drop the tensor's file pages from this process's resident set once it has been copied out:
-        reading a whole file through the mapping would otherwise keep all of it counted in the RSS of
-        the loading process (the pages stay in the OS page cache, and a later read maps them again)."""
-        first = tensor.file_offset // mmap.PAGESIZE * mmap.PAGESIZE
-        last = tensor.file_offset + tensor.data.nbytes
-        whole_pages = last // mmap.PAGESIZE * mmap.PAGESIZE - first  # the tail page may hold the next tensor
-        if whole_pages > 0:
-            self._map.madvise(mmap.MADV_DONTNEED, first, whole_pages)
+    def row_chunks(self, tensor: GGUFTensor, max_elements: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(first row, rows) of `tensor` in turn, each as many whole rows as hold at most `max_elements`
+        elements (at least one row), as views of the mapped file. When the caller takes the next chunk (or
+        stops), the previous one's pages leave this process's resident set: reading a file through its
+        mapping would otherwise keep every page read counted in the RSS of the loading process, on top of
+        the copy being made (the pages stay in the OS page cache; reading them again maps them again)."""
+        rows, row_bytes = tensor.data.shape
+        step = max(1, max_elements // tensor.shape[-1])
+        for start in range(0, rows, step):
+            chunk = tensor.data[start : start + step]
+            try:
+                yield start, chunk
+            finally:
+                self._release(tensor.file_offset + start * row_bytes, chunk.nbytes)
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """Drop the whole pages of file bytes [offset, offset + nbytes) and the page holding `offset`
+        from the resident set; the page holding the end may hold bytes still to be read. Never affects
+        what a read returns: a dropped page is mapped again from the page cache (or the file) when read."""
+        first = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def _read(self, n: int) -> bytes:
         out = self._map[self._pos : self._pos + n]

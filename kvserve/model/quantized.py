@@ -89,14 +89,6 @@ class QuantizedTensor:
             raise ValueError(f"{self.qtype.name} blocks of a {n}x{k} matrix are uint8 {expected}, got "
                              f"{self.blocks.dtype} {tuple(self.blocks.shape)}")  # fmt: skip
 
-    @classmethod
-    def from_gguf(cls, data: np.ndarray, qtype: GGMLQuantizationType, shape: Sequence[int]) -> QuantizedTensor:
-        """From a GGUF tensor's bytes ([N, row_bytes] uint8, as GGUFReader gives them; copied out of the
-        memory-mapped file) and its row-major shape (N, K)."""
-        n, k = (int(d) for d in shape)
-        blocks = torch.from_numpy(np.array(data, dtype=np.uint8, order="C", copy=True)).view(n, -1)
-        return cls(blocks, GGMLQuantizationType(qtype), (n, k))
-
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()

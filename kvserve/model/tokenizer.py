@@ -8,6 +8,7 @@ the ids gives exactly the suffix of the text once the bytes form complete UTF-8 
 
 from __future__ import annotations
 
+import itertools
 import re
 import secrets
 from collections.abc import Sequence
@@ -60,7 +61,7 @@ class TokenizerWrapper:
         # Tokens that end a turn besides EOS (e.g. <|im_end|> for ChatML templates).
         self.stop_token_ids = sorted({t for t in (eos_token_id, *extra_stop_token_ids) if t is not None})
         # The same tokenizer with special-token parsing off: "<|im_start|>" in user text is plain text.
-        self._tok_plain = Tokenizer.from_str(tokenizer.to_str())
+        self._tok_plain = same_tokenizer(tokenizer)
         self._tok_plain.encode_special_tokens = True
         added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len, reverse=True)
         self._added_token_pattern = re.compile("|".join(map(re.escape, added))) if added else None
@@ -250,6 +251,27 @@ class TokenizerWrapper:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
+
+
+def same_tokenizer(tok: Tokenizer) -> Tokenizer:
+    """A second tokenizer with `tok`'s definition (its to_str() JSON) that shares `tok`'s model, the
+    vocabulary and merges (read-only while encoding), instead of a copy: parsing a copy out of the JSON
+    costs hundreds of MB for a 262k vocabulary (benchmarks/RESULTS.md, lean loading). Added tokens are
+    added in id order, so each gets its id again, in runs of one kind (each call rebuilds the matcher of
+    all added tokens: one call per token takes seconds for Gemma's thousands)."""
+    same = Tokenizer(tok.model)
+    same.normalizer = tok.normalizer
+    same.pre_tokenizer = tok.pre_tokenizer
+    same.post_processor = tok.post_processor
+    same.decoder = tok.decoder
+    in_order = [added for _, added in sorted(tok.get_added_tokens_decoder().items())]
+    for special, run in itertools.groupby(in_order, key=lambda added: added.special):
+        (same.add_special_tokens if special else same.add_tokens)(list(run))
+    if tok.truncation is not None:
+        same.enable_truncation(**tok.truncation)
+    if tok.padding is not None:
+        same.enable_padding(**tok.padding)
+    return same
 
 
 def _end_of_turn_ids(tok: Tokenizer) -> list[int]:
