@@ -35,6 +35,9 @@ HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 1.0, 2.0
 # Bounds of the server below (its flags and the model's): max_model_len 8192, 64 blocks of 16 tokens.
 MAX_N, MAX_CHOICES, MAX_STOPS, MAX_STOP_CHARS, MAX_MESSAGES = 16, 256, 16, 1024, 1024
 MAX_ERROR_BODY_BYTES = 1024
+# The longest prompt text the server tokenizes: max_model_len x the longest token's bytes (81 for SmolLM2);
+# a longer one is refused unread.
+LONGEST_TOKENIZED_CHARS = 8192 * 81
 
 
 class Server:
@@ -118,8 +121,12 @@ def server() -> Iterator[Server]:
             assert time.monotonic() < deadline, "kvserve serve did not become healthy"
             time.sleep(0.2)
         running = Server(proc, base)
-        # Warm-up: the largest prefill and tokenization a valid request makes, so RSS is at its working size.
-        running.post(COMPLETIONS, {"prompt": "word " * 500, "max_tokens": 2, "ignore_eos": True})
+        # Warm-up: the largest prefill and tokenization a valid request makes (a prompt that nearly fills
+        # the 1,024-token pool, one prefill chunk), so RSS is at its working size.
+        largest = running.post(COMPLETIONS, {"prompt": "word " * 1000, "max_tokens": 2, "ignore_eos": True})
+        assert largest.status_code == 200 and largest.json()["usage"]["prompt_tokens"] > 900, largest.text
+        # The longest text the server tokenizes (then refuses as too long): the tokenizer's heap grows to it.
+        assert running.post(COMPLETIONS, {"prompt": "x" * LONGEST_TOKENIZED_CHARS, "max_tokens": 1}).status_code == 400
         running.post(CHAT, {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
         # ...and the grammar engine's one-time state (llguidance's view of the vocabulary, its threads).
         json_only = {"response_format": {"type": "json_object"}, "max_tokens": 4}
@@ -224,8 +231,8 @@ BOUNDS = [
     ({"prompt": [49151]}, 200),
     ({"prompt": [49152]}, 400),
     ({"prompt": [-1]}, 400),
-    ({"prompt": "x" * 8192 * 81}, 400),  # tokenized (off the loop), then too long
-    ({"prompt": "x" * (8192 * 81 + 1)}, 400),  # refused before tokenizing
+    ({"prompt": "x" * LONGEST_TOKENIZED_CHARS}, 400),  # tokenized (off the loop), then too long
+    ({"prompt": "x" * (LONGEST_TOKENIZED_CHARS + 1)}, 400),  # refused before tokenizing
 ]
 
 
