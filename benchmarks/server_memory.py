@@ -77,19 +77,26 @@ def kvserve_row(args: argparse.Namespace) -> dict[str, Any]:
             proc.terminate()
             proc.wait(timeout=60)
         log.seek(0)
-        found = MEMORY_ROW.search(log.read())
-    if found is None or peak is None:
-        raise RuntimeError("kvserve serve logged no memory row, or its peak could not be read")
+        text = log.read()
+    if peak is None:
+        raise RuntimeError("the peak RSS of kvserve serve could not be read")
+    parts = breakdown(text, peak, import_rss_mb())
+    return {"engine": f"kvserve {args.quantization} {args.dtype}", "peak_rss_mb": peak, "parts": parts, **load}
+
+
+def breakdown(log: str, peak_mb: float, import_mb: float) -> dict[str, float]:
+    """The peak's parts (MiB) from the server log's memory row, its peak and a bare import's RSS."""
+    found = MEMORY_ROW.search(log)
+    if found is None:
+        raise RuntimeError("kvserve serve logged no memory row")
     weights, kv, ready = float(found["weights"]), float(found["kv"]), float(found["ready"])
-    imported = import_rss_mb()
-    parts = {
-        "import": imported,
+    return {
+        "import": import_mb,
         "weights": weights,
         "KV pool": kv,
-        "rest at ready": ready - imported - weights - kv,
-        "under load": peak - ready,
+        "rest at ready": ready - import_mb - weights - kv,
+        "under load": peak_mb - ready,
     }
-    return {"engine": f"kvserve {args.quantization} {args.dtype}", "peak_rss_mb": peak, "parts": parts, **load}
 
 
 def llamacpp_row(launch: str, port: int, requests: int) -> dict[str, Any]:
