@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.agreement import free_running, teacher_forced_agreement
+from kvserve.bench.agreement import free_running, greedy_agreement
 from kvserve.model.registry import bundled_gguf_path
 
 TOPICS = ["the sea", "a city at night", "photosynthesis", "the moon", "trains", "coffee", "rain", "chess"]
@@ -35,11 +35,7 @@ def conversations(count: int) -> list[list[dict[str, str]]]:
 def kvserve_agreement(bf16: LLM, prompts: list[list[int]], output_len: int) -> dict[str, float]:
     greedy = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     reference = [o.token_ids for o in LLM(dtype="float32").generate(prompts, greedy)]
-    outputs = [o.token_ids for o in bf16.generate(prompts, greedy)]
-    return {
-        **free_running(reference, outputs),
-        "teacher_forced_token_agreement": teacher_forced_agreement(bf16, prompts, reference),
-    }
+    return greedy_agreement(bf16, prompts, reference)
 
 
 def hf_agreement(prompts: list[list[int]], output_len: int) -> dict[str, float]:
@@ -78,8 +74,10 @@ def measure(num_prompts: int = 16, output_len: int = 64, with_hf: bool = True) -
     return results
 
 
-def print_table(results: dict[str, dict[str, float]]) -> None:
-    print("\n## bf16 vs float32 greedy, 16 chat prompts x 64 tokens")
+def print_table(
+    results: dict[str, dict[str, float]], title: str = "bf16 vs float32 greedy, 16 chat prompts x 64 tokens"
+) -> None:
+    print(f"\n## {title}")
     print("| engine | requests identical | tokens before first difference | teacher-forced token agreement |")
     print("|---|---|---|---|")
     for engine, r in results.items():

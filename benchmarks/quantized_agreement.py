@@ -21,29 +21,19 @@ import json
 from pathlib import Path
 
 import httpx
+from dtype_agreement import conversations, print_table
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.agreement import forced_contexts, free_running, share_matching, teacher_forced_agreement
+from kvserve.bench.agreement import forced_contexts, free_running, greedy_agreement, share_matching
 from kvserve.model.registry import DEFAULT_MODEL
-
-TOPICS = ["the sea", "a city at night", "photosynthesis", "the moon", "trains", "coffee", "rain", "chess"]
 
 
 def prompt_ids(llm: LLM, count: int) -> list[list[int]]:
-    texts = [f"Write {n} sentences about {TOPICS[i % len(TOPICS)]}." for i, n in enumerate(range(2, 2 + count))]
+    """dtype_agreement's chat prompts; their text alone for a model without a chat template."""
+    chats = conversations(count)
     if llm.tokenizer.chat_template is None:
-        return [llm.tokenizer.encode(text, add_special_tokens=True) for text in texts]
-    return [llm.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
-
-
-def kvserve_row(model: str, dtype: str, prompts: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
-    llm = LLM(model, dtype=dtype, quantization="auto")
-    greedy = SamplingParams(temperature=0, max_tokens=len(reference[0]), ignore_eos=True)
-    outputs = [o.token_ids for o in llm.generate(prompts, greedy)]
-    return {
-        **free_running(reference, outputs),
-        "teacher_forced_token_agreement": teacher_forced_agreement(llm, prompts, reference),
-    }
+        return [llm.tokenizer.encode(chat[0]["content"], add_special_tokens=True) for chat in chats]
+    return [llm.tokenizer.encode_chat(chat) for chat in chats]
 
 
 def llamacpp_tokens(client: httpx.Client, prompt: list[int], count: int) -> list[int]:
@@ -70,22 +60,13 @@ def measure(model: str, num_prompts: int, output_len: int, llamacpp_url: str | N
     greedy = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     reference = [list(o.token_ids) for o in dense.generate(prompts, greedy)]
     del dense
-    results = {f"kvserve auto {d}": kvserve_row(model, d, prompts, reference) for d in ("float32", "bfloat16")}
+    results = {
+        f"kvserve auto {d}": greedy_agreement(LLM(model, dtype=d, quantization="auto"), prompts, reference)
+        for d in ("float32", "bfloat16")
+    }
     if llamacpp_url:
         results["llama.cpp server"] = llamacpp_row(llamacpp_url, prompts, reference)
     return results
-
-
-def print_table(model: str, results: dict[str, dict[str, float]], num_prompts: int, output_len: int) -> None:
-    title = f"{model}: native blocks vs the file dequantized to float32, {num_prompts} prompts x {output_len} tokens"
-    print(f"\n## {title}")
-    print("| engine | requests identical | tokens before first difference | teacher-forced token agreement |")
-    print("|---|---|---|---|")
-    for engine, r in results.items():
-        print(
-            f"| {engine} | {r['requests_identical']:.0%} | {r['tokens_before_first_divergence']:.0%} "
-            f"| {r['teacher_forced_token_agreement']:.1%} |"
-        )
 
 
 def main() -> None:
@@ -97,7 +78,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/quantized_agreement.json")
     args = parser.parse_args()
     results = measure(args.model, args.prompts, args.output_len, args.llamacpp_url)
-    print_table(args.model, results, args.prompts, args.output_len)
+    shape = f"{args.prompts} prompts x {args.output_len} tokens"
+    print_table(results, f"{args.model}: native blocks vs the file dequantized to float32, {shape}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "results": results}, indent=2))

@@ -40,9 +40,8 @@ from kvserve.model.registry import DEFAULT_MODEL
 
 _IMPORT_RSS = r"""
 import kvserve.cli, kvserve.server.openai_api
-from pathlib import Path
-status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-print(int(status["VmRSS"].split()[0]) / 1024)
+from kvserve.engine.startup_report import process_memory_mib
+print(process_memory_mib()[0])
 """
 MEMORY_ROW = re.compile(
     r"memory:\s+weights (?P<weights>[\d.]+) MiB .*KV pool (?P<kv>[\d.]+) MiB; process RSS (?P<ready>\d+) MiB"

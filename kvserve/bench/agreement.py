@@ -47,3 +47,13 @@ def teacher_forced_agreement(llm: LLM, prompts: Sequence[list[int]], reference: 
     per (prompt, position)."""
     outputs = llm.generate(forced_contexts(prompts, reference), SamplingParams(temperature=0, max_tokens=1))
     return share_matching([o.token_ids[0] for o in outputs], reference)
+
+
+def greedy_agreement(llm: LLM, prompts: Sequence[list[int]], reference: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Both measures of `llm` against `reference` (greedy outputs of `prompts`, all of one length)."""
+    greedy = SamplingParams(temperature=0, max_tokens=len(reference[0]), ignore_eos=True)
+    outputs = [o.token_ids for o in llm.generate(list(prompts), greedy)]
+    return {
+        **free_running(reference, outputs),
+        "teacher_forced_token_agreement": teacher_forced_agreement(llm, prompts, reference),
+    }

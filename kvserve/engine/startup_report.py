@@ -93,13 +93,19 @@ def memory_summary(engine: LLMEngine) -> str:
     weights = engine.model.weights.tensors()
     blocks = sum(stored_bytes(t) for t in weights if not isinstance(t, torch.Tensor))
     dense = sum(stored_bytes(t) for t in weights if isinstance(t, torch.Tensor))
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    rss, peak = (int(status[name].split()[0]) / 1024 for name in ("VmRSS", "VmHWM"))  # kB
+    rss, peak = process_memory_mib()
     return (
         f"weights {(blocks + dense) / 2**20:.1f} MiB ({blocks / 2**20:.1f} in GGUF blocks, {dense / 2**20:.1f} "
         f"dense), KV pool {engine.cache.tensor.nbytes / 2**20:.1f} MiB; process RSS {rss:.0f} MiB, "
         f"peak {peak:.0f} MiB"
     )
+
+
+def process_memory_mib() -> tuple[float, float]:
+    """This process's resident memory now and at its peak (VmRSS, VmHWM), MiB."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    rss_kib, peak_kib = (int(status[name].split()[0]) for name in ("VmRSS", "VmHWM"))
+    return rss_kib / 1024, peak_kib / 1024
 
 
 def compiled_decode_summary(engine: LLMEngine) -> str:
