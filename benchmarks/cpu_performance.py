@@ -136,6 +136,10 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
+class StartError(RuntimeError):
+    """A server exited, or did not answer, during start-up."""
+
+
 def wait_until_ready(proc: subprocess.Popen, url: str, path: str, name: str, timeout_s: float) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -144,11 +148,11 @@ def wait_until_ready(proc: subprocess.Popen, url: str, path: str, name: str, tim
                 return
         except httpx.HTTPError:
             pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited during start-up")
+        if proc.poll() is not None:  # a negative code is the signal's number (-4: SIGILL)
+            raise StartError(f"{name} exited during start-up (exit code {proc.returncode})")
         time.sleep(1)
     proc.kill()
-    raise RuntimeError(f"{name} did not become ready in {timeout_s:.0f} s")
+    raise StartError(f"{name} did not become ready in {timeout_s:.0f} s")
 
 
 def start_kvserve(
@@ -349,6 +353,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "roofs": roofs.measure_every_path(base_env),
+        "peer_start_failures": [],
     }
     # The served rows run first, before this process loads and frees engines and HF models of its own.
     # Run after the bf16-vs-fp32 agreement rows, kvserve's first served run (all at once) was markedly
@@ -365,7 +370,11 @@ def main() -> None:
             peak_rss += [peak_rss_mb] if peak_rss_mb is not None else []
             for peer in args.peer:
                 name, _, peer_url = peer.partition("=")
-                served += peer_rows(name, peer_url, args.peer_model, launches.get(name), base_env, repeat)
+                try:
+                    served += peer_rows(name, peer_url, args.peer_model, launches.get(name), base_env, repeat)
+                except StartError as error:  # a peer that cannot start loses its own rows, not the run's
+                    print(f"{error}: its rows are left out", file=sys.stderr)
+                    results["peer_start_failures"].append({"engine": name, "round": repeat, "error": str(error)})
         results["kvserve_server_peak_rss_mb"] = max(peak_rss, default=None)
     results["served"] = served
 

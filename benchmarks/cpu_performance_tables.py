@@ -43,6 +43,12 @@ def print_tables(results: dict[str, Any]) -> None:
         dtype_agreement.print_table(results["bf16_vs_fp32"])
     if results["served"]:
         print_served_rows(results, results["served"])
+    print_start_failures(results.get("peer_start_failures", []))
+
+
+def print_start_failures(failures: list[dict[str, Any]]) -> None:
+    for failure in failures:
+        print(f"no rows for {failure['engine']} (round {failure['round'] + 1}): {failure['error']}")
 
 
 def print_offline_rows(results: dict[str, Any]) -> None:

@@ -112,3 +112,16 @@ def test_every_served_row_takes_its_own_engines_roof_and_an_unknown_engine_has_n
     assert cells[("mystery", at_once)] == cells[("mystery", batch1)] == "n/a"
     assert cells[("kvserve", poisson)] == cells[("llamacpp", poisson)] == "–"
     assert cells[("llamacpp", batch1)] == f"{share[('llamacpp', batch1)]:.0%}"
+
+
+def test_a_peer_that_dies_at_start_up_is_reported_with_its_exit_code_and_the_run_goes_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A peer killed by a signal during start-up (as llama.cpp's server by SIGILL on one CPU) costs its own
+    rows only: wait_until_ready raises StartError naming the signal, and the tables name the lost peer."""
+    proc = cpu_performance.subprocess.Popen(["sh", "-c", "kill -ILL $$"])
+    with pytest.raises(cpu_performance.StartError, match=r"^llamacpp exited during start-up \(exit code -4\)$"):
+        cpu_performance.wait_until_ready(proc, "http://127.0.0.1:9", "/v1/models", "llamacpp", 30)
+    failures = [{"engine": "llamacpp", "round": 0, "error": "exited (exit code -4)"}]
+    cpu_performance_tables.print_start_failures(failures)
+    assert "no rows for llamacpp (round 1): exited (exit code -4)" in capsys.readouterr().out

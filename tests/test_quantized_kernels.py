@@ -6,7 +6,9 @@ normal and subnormal, negative), whole zero blocks and all-0 / all-15 nibbles.
 Tolerances, and why:
 - dequantize_rows: bit-identical (the same float32 operations as the reference).
 - quant_linear: the same float32 weights, summed in another order: 1e-5 of sum |w x| (plus one
-  bf16 rounding of the result for bf16 activations).
+  bf16 rounding of the result for bf16 activations). For bf16 activations on a path with native bf16
+  products (AMX, AVX512-BF16) the weights are first rounded to bf16, as the dense bf16 engine holds them
+  (quant_linear_bf16.cpp): the reference rounds them too.
 - quant_gemv quantizes each 32 elements of x to int8 (step s = max |x| / 127, rounding to nearest), so
   each x moves by at most s / 2 and the result by at most sum over x blocks of s / 2 * sum |w| over the
   block: that bound, plus the float32 slack and bf16 rounding above.
@@ -20,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve.kernels import cpu
+from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.model.quantized import KERNEL_TYPES, ROW_GROUP_ROWS, ROW_GROUP_TYPES, QuantizedTensor
 from kvserve.model.quantized_linear import quantized_kernels
 
@@ -91,6 +94,11 @@ def float_slack(w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, dtype: torc
     return slack + (2.0**-8 * ref.abs() if dtype == torch.bfloat16 else 0.0)
 
 
+def multiplied_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weights quant_linear multiplies x with: w, or w rounded to bf16 (see the module docstring)."""
+    return w.bfloat16().float() if dtype == torch.bfloat16 and cpu_isa.selected().bf16 else w
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_dequantize_rows_is_bit_identical(kernels, qtype: GGMLQuantizationType) -> None:
     for seed in range(3):
@@ -105,7 +113,7 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, qtype: GGMLQuantiz
     for seed in range(4):
         blocks, n, k, x = random_case(qtype, 10 + seed, 40 if seed == 0 else 9)
         x = x.to(dtype)
-        w = reference(blocks, qtype, n, k)
+        w = multiplied_weights(reference(blocks, qtype, n, k), dtype)
         ref = x.double() @ w.double().T
         y = kernels.quant_linear(x, torch.from_numpy(blocks), int(qtype))
         assert y.dtype == dtype and y.shape == ref.shape
@@ -236,7 +244,7 @@ def test_quant_linear_on_row_groups_matches_dequantize_then_matmul(kernels, qtyp
     for seed in range(4):
         blocks, grouped, x = row_group_case(qtype, 30 + seed, 40 if seed == 0 else 9)
         x = x.to(dtype)
-        w = reference(blocks, qtype, *grouped.shape)
+        w = multiplied_weights(reference(blocks, qtype, *grouped.shape), dtype)
         ref = x.double() @ w.double().T
         y = kernels.quant_linear(x, grouped.blocks, grouped.kernel_type)
         assert y.dtype == dtype and y.shape == ref.shape

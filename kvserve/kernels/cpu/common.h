@@ -54,6 +54,15 @@ raw_t<scalar_t>* raw(const at::Tensor& t) {
   return reinterpret_cast<raw_t<scalar_t>*>(t.data_ptr<scalar_t>());
 }
 
+// This thread's scratch buffer of Ts (one per type), at least `size` of them, kept for its next call: a
+// quantized product's panel tile is 72-192 KiB, which malloc would map, fault in and unmap on every call.
+template <typename T>
+T* thread_scratch(int64_t size) {
+  thread_local std::vector<T> scratch;
+  if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
+  return scratch.data();
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bf16_bits) { return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits) << 16); }
 

@@ -36,7 +36,7 @@ at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
 // quant_row_groups.h), x quantized per 32 elements to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
 at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
 // x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
-// multiplied; y in x's dtype.
+// multiplied; y in x's dtype. bf16 x on a path with native bf16 products meets the panel rounded to bf16.
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, else
 // quant_linear. More rows stay exact: int8 activations there too would be faster, but move the engine's

@@ -5,7 +5,9 @@
 // own (kPanelRows x K floats, sized to stay in L2), exactly as gguf.quants.dequantize would, then
 // multiplies every row of x with it. So the weights are read once per call at their quantized size and
 // the products see the same float32 values as dequantize-then-matmul: the results differ from that
-// reference only in the order of the float32 sums.
+// reference only in the order of the float32 sums. Except for bf16 x where the path multiplies bf16
+// natively (AMX, AVX512-BF16): there the panel is rounded to bf16 and multiplied on those instructions
+// (quant_linear_bf16.cpp), so the results are the dense bf16 engine's, up to the order of the sums.
 //
 // Micro-kernel (AVX2 + FMA): kXRows rows of x times kWRows rows of the tile in dot-product form, eight
 // k at a time: the kXRows x vectors stay in registers, each tile vector is loaded once for kXRows
@@ -13,19 +15,20 @@
 // 12 accumulators + 3 x + 1 tile vector fill AVX2's 16 registers.
 #include "common.h"
 #include "ops.h"
+#include "quant_linear_bf16.h"
 #include "quant_row_groups.h"
 
 namespace kvserve {
 namespace {
 
 // 32 rows x K floats: 72 KiB at K = 576, 192 KiB at K = 1,536 (L2 is 512 KiB-2 MiB on current x86).
-constexpr int64_t kPanelRows = 32;
+constexpr int64_t kPanelRows = bf16_panel::kPanelRows;
 static_assert(kPanelRows % quant::RowGroup<quant::Q4_1>::kRows == 0, "a panel holds whole row groups");
 constexpr int kXRows = 3, kWRows = 4;
 
 #if defined(__AVX2__) && defined(__FMA__)
-template <int XR, int WR>
-inline void micro_kernel(const float* x, const float* w, int64_t k, float* y, int64_t y_stride) {
+template <int XR, int WR, typename Out>
+inline void micro_kernel(const float* x, const float* w, int64_t k, Out* y, int64_t y_stride) {
   __m256 acc[XR][WR];
   for (int i = 0; i < XR; ++i)
     for (int j = 0; j < WR; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -38,23 +41,24 @@ inline void micro_kernel(const float* x, const float* w, int64_t k, float* y, in
     }
   }
   for (int i = 0; i < XR; ++i)
-    for (int j = 0; j < WR; ++j) y[i * y_stride + j] = reduce_add(acc[i][j]);
+    for (int j = 0; j < WR; ++j) y[i * y_stride + j] = from_float<Out>(reduce_add(acc[i][j]));
 }
 #else
-template <int XR, int WR>
-inline void micro_kernel(const float* x, const float* w, int64_t k, float* y, int64_t y_stride) {
+template <int XR, int WR, typename Out>
+inline void micro_kernel(const float* x, const float* w, int64_t k, Out* y, int64_t y_stride) {
   for (int i = 0; i < XR; ++i)
     for (int j = 0; j < WR; ++j) {
       float sum = 0.f;
       for (int64_t e = 0; e < k; ++e) sum += x[i * k + e] * w[j * k + e];
-      y[i * y_stride + j] = sum;
+      y[i * y_stride + j] = from_float<Out>(sum);
     }
 }
 #endif
 
-// x rows [0, m) times tile rows [0, w_rows) into y[:, 0:w_rows] (row stride y_stride).
-template <int XR>
-void rows_times_tile(const float* x, const float* tile, int64_t w_rows, int64_t k, float* y, int64_t y_stride) {
+// x rows [0, m) times tile rows [0, w_rows) into y[:, 0:w_rows] (row stride y_stride), each result
+// rounded once to y's dtype.
+template <int XR, typename Out>
+void rows_times_tile(const float* x, const float* tile, int64_t w_rows, int64_t k, Out* y, int64_t y_stride) {
   int64_t j = 0;
   for (; j + kWRows <= w_rows; j += kWRows) micro_kernel<XR, kWRows>(x, tile + j * k, k, y + j, y_stride);
   for (; j < w_rows; ++j) micro_kernel<XR, 1>(x, tile + j * k, k, y + j, y_stride);
@@ -70,26 +74,42 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
     const int64_t n = blocks.size(0) * quant::rows_per_stored_row<Block>();
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    auto y = at::empty({rows, n}, x.options().dtype(at::kFloat));
-    if (rows == 0) return y.to(x.scalar_type());
-    const float* xs = xf.data_ptr<float>();
     const uint8_t* w = blocks.data_ptr<uint8_t>();
-    float* ys = y.data_ptr<float>();
-    const int64_t row_bytes = blocks.size(1), panels = (n + kPanelRows - 1) / kPanelRows;
-    at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
-      std::vector<float> tile(kPanelRows * k);
-      for (int64_t panel = begin; panel < end; ++panel) {
-        const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
-        quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile.data());
-        int64_t m = 0;
-        for (; m + kXRows <= rows; m += kXRows)
-          rows_times_tile<kXRows>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
-        if (rows - m == 2) rows_times_tile<2>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
-        if (rows - m == 1) rows_times_tile<1>(xs + m * k, tile.data(), w_rows, k, ys + m * n + n0, n);
-      }
+    const int64_t row_bytes = blocks.size(1);
+    if (x.scalar_type() == at::kBFloat16 && bf16_panel::available()) {
+      // Native bf16 products: the weights meet x rounded to bf16, as the dense bf16 engine's do.
+      const at::Tensor xc = x.contiguous();
+      auto y = at::empty({rows, n}, x.options());
+      if (rows == 0) return y;
+      bf16_panel::linear(
+          raw<c10::BFloat16>(xc), rows, k, n,
+          [=](int64_t n0, int64_t w_rows, float* tile) {
+            quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
+          },
+          raw<c10::BFloat16>(y));
+      return y;
+    }
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    auto y = at::empty({rows, n}, x.options());
+    if (rows == 0) return y;
+    const float* xs = xf.data_ptr<float>();
+    const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
+    KVSERVE_DISPATCH(x.scalar_type(), [&] {
+      raw_t<scalar_t>* ys = raw<scalar_t>(y);
+      at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
+        float* tile = thread_scratch<float>(kPanelRows * k);
+        for (int64_t panel = begin; panel < end; ++panel) {
+          const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
+          quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
+          int64_t m = 0;
+          for (; m + kXRows <= rows; m += kXRows)
+            rows_times_tile<kXRows>(xs + m * k, tile, w_rows, k, ys + m * n + n0, n);
+          if (rows - m == 2) rows_times_tile<2>(xs + m * k, tile, w_rows, k, ys + m * n + n0, n);
+          if (rows - m == 1) rows_times_tile<1>(xs + m * k, tile, w_rows, k, ys + m * n + n0, n);
+        }
+      });
     });
-    return y.to(x.scalar_type());
+    return y;
   });
 }
 
