@@ -34,7 +34,10 @@ PROMPTS = [
 NEW_TOKENS = 32
 MARGIN = 0.02
 MIN_TEACHER_FORCED_AGREEMENT = 0.995
-GEMV_MARGIN = 0.1
+# The int8 activations' shift of a logit: under 0.1 on the AVX2 Zen 2; on the AMX Xeon (2026-12-03) one
+# position of "Photosynthesis ..." differs from HF where HF's margin is 0.109, before and after that day's
+# kernel changes alike.
+GEMV_MARGIN = 0.15
 MIN_GEMV_AGREEMENT = 0.985
 
 
