@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 VOCAB = 320
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+LAYER_TYPES_EVERY_SIXTH_GLOBAL = ["sliding_attention"] * 5 + ["full_attention"]
 _SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -40,6 +41,7 @@ def family_configs() -> dict:
         high_freq_factor=4.0,
         original_max_position_embeddings=16,
     )
+    gemma3_rope = {"rope_type": "default", "rope_theta": 50_000.0}
     return {
         "llama": LlamaConfig(**_SHAPE, num_hidden_layers=2, rope_parameters=llama3),
         "mistral": MistralConfig(**_SHAPE, num_hidden_layers=2, sliding_window=WINDOW),
@@ -53,8 +55,22 @@ def family_configs() -> dict:
             layer_types=LAYER_TYPES,
             query_pre_attn_scalar=24,
             rope_parameters={
-                "full_attention": {"rope_type": "default", "rope_theta": 50_000.0},
+                "full_attention": gemma3_rope,
                 "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+        # Gemma 3 as its GGUF spells it, which has no keys for these (llama.cpp's rules, gemma3.py): every
+        # sixth layer global, the sliding layers' RoPE base 10,000, queries scaled by 1/sqrt(head_dim).
+        "gemma3-gguf": Gemma3TextConfig(
+            **_SHAPE,
+            num_hidden_layers=6,
+            head_dim=32,
+            sliding_window=WINDOW,
+            layer_types=LAYER_TYPES_EVERY_SIXTH_GLOBAL,
+            query_pre_attn_scalar=32,
+            rope_parameters={
+                "full_attention": gemma3_rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         ),
     }
@@ -152,6 +168,11 @@ def _llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+_GEMMA3_GGUF_LAYER_NAMES = {  # llama.cpp's names for Gemma 3's four norms
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -168,9 +189,10 @@ _GGUF_LAYER_NAMES = {
 
 
 def write_gguf(family: str, model, path: Path, block_types: dict | None = None) -> None:
-    """The HF model as llama.cpp's converter writes it, for the llama, qwen2 and qwen3 families: float32
-    tensors, except the matrices `block_types` names (HF stem such as "self_attn.v_proj", or
-    "embed_tokens" / "lm_head" -> GGMLQuantizationType), quantized with the gguf package's own quantizer."""
+    """The HF model as llama.cpp's converter writes it, for the llama, qwen2, qwen3 and gemma3 families
+    (Gemma's vocabulary as SentencePiece's, its norm weights w as 1 + w): float32 tensors, except the
+    matrices `block_types` names (HF stem such as "self_attn.v_proj", or "embed_tokens" / "lm_head" ->
+    GGMLQuantizationType), quantized with the gguf package's own quantizer."""
     from gguf import GGUFWriter
     from gguf.quants import quantize
 
@@ -193,17 +215,28 @@ def write_gguf(family: str, model, path: Path, block_types: dict | None = None) 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    gemma = family == "gemma3"
+    rope = config.rope_parameters["full_attention"] if gemma else config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"w{i}" for i in range(VOCAB)])
-    writer.add_token_merges([])
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([-float(i) for i in range(VOCAB)])
+        writer.add_token_types([1] * VOCAB)  # normal tokens
+        writer.add_unk_token_id(0)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_merges([])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
-    if config.rope_parameters["rope_type"] == "llama3":
+    if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            array = array + 1.0
         if name == "model.embed_tokens.weight":
             add(writer, "token_embd.weight", "embed_tokens", array)
         elif name == "model.norm.weight":
@@ -218,7 +251,8 @@ def write_gguf(family: str, model, path: Path, block_types: dict | None = None) 
                 array = _llama_cpp_permute(array, config.num_attention_heads)
             elif family == "llama" and stem == "self_attn.k_proj":
                 array = _llama_cpp_permute(array, config.num_key_value_heads)
-            add(writer, f"blk.{layer}.{_GGUF_LAYER_NAMES[stem]}.{suffix}", stem, array)
+            names = {**_GGUF_LAYER_NAMES, **_GEMMA3_GGUF_LAYER_NAMES} if gemma else _GGUF_LAYER_NAMES
+            add(writer, f"blk.{layer}.{names[stem]}.{suffix}", stem, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

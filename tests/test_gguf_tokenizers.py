@@ -47,3 +47,29 @@ def test_gguf_byte_level_vocabulary_splits_like_transformers(tmp_path, pre):
     for text in TEXTS:
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
         assert ours.decode(ours.encode(text)) == text
+
+
+# Gemma 3's SentencePiece vocabulary (262k tokens, merges recovered from the vocabulary): spaces in runs,
+# newlines, digits, code, accents, CJK, an emoji and a control character (byte fallback), special tokens.
+GEMMA_TEXTS = [
+    "The capital of France is Paris.",
+    "  two   spaces\tand a tab\n\n\nnewlines",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Crème brûlée, naïve café; 東京は日本の首都です。",
+    "emoji 🦙🚀 and a control \x07 byte, 1234567890 ½",
+    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+]
+
+
+def test_gemma3_sentencepiece_vocabulary_encodes_like_transformers():
+    from transformers import AutoTokenizer
+
+    from kvserve.model.registry import GEMMA3_270M, bundled_gguf_path
+
+    path = bundled_gguf_path(GEMMA3_270M)
+    ours = TokenizerWrapper.from_gguf(read_tokenizer_data(open_gguf(path)))
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in GEMMA_TEXTS:
+        ids = ours.encode(text, add_special_tokens=True)
+        assert ids == theirs.encode(text, add_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False).removeprefix("<bos>") == text

@@ -30,7 +30,11 @@ from tests.family_checkpoints import (
 )
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-GGUF_FAMILIES = ["llama", "qwen2", "qwen3"]  # written with the gguf package's GGUFWriter, as llama.cpp's converter does
+# Written with the gguf package's GGUFWriter, as llama.cpp's converter does: family -> the checkpoint written.
+# Gemma 3's GGUF cannot say which layers are global or its sliding layers' RoPE base: a checkpoint with
+# llama.cpp's fixed values. Mistral has no GGUF architecture of its own (llama.cpp writes it as "llama",
+# without its window).
+GGUF_CHECKPOINTS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3-gguf"}
 WINDOWED = ["mistral", "gemma3"]
 NEW_TOKENS = 32
 _gen = torch.Generator().manual_seed(7)
@@ -44,12 +48,13 @@ PROMPTS = [_BASE[:3], _BASE[:20] + [5, 6, 7], _BASE, torch.randint(3, VOCAB, (17
 def checkpoints(tmp_path_factory) -> dict:
     """family -> (directory, HF greedy tokens per prompt)."""
     made = {}
-    for family in FAMILIES:
-        directory = tmp_path_factory.mktemp(family)
-        model = save_checkpoint(family, directory)
-        if family in GGUF_FAMILIES:  # beside the safetensors: the HF loaders read neither the other's file
-            write_gguf(family, model, directory / "model.gguf")
-        made[family] = (directory, [hf_greedy(model, ids) for ids in PROMPTS])
+    for name in FAMILIES + ["gemma3-gguf"]:
+        directory = tmp_path_factory.mktemp(name)
+        model = save_checkpoint(name, directory)
+        gguf_family = next((f for f, checkpoint in GGUF_CHECKPOINTS.items() if checkpoint == name), None)
+        if gguf_family is not None:  # beside the safetensors: the HF loaders read neither the other's file
+            write_gguf(gguf_family, model, directory / "model.gguf")
+        made[name] = (directory, [hf_greedy(model, ids) for ids in PROMPTS])
     return made
 
 
@@ -82,13 +87,16 @@ def test_greedy_equals_hf_one_at_a_time_and_batched(checkpoints, family, prefix_
     assert [o.token_ids for o in batched] == expected
 
 
-@pytest.mark.parametrize("family", GGUF_FAMILIES)
+@pytest.mark.parametrize("family", GGUF_CHECKPOINTS)
 def test_gguf_of_the_checkpoint_equals_hf(checkpoints, family):
     """The same weights as llama.cpp writes them (Llama: q/k rows permuted, llama3 RoPE as rope_freqs;
-    Qwen2: q/k/v biases; Qwen3: q/k norms)."""
-    directory, expected = checkpoints[family]
-    outs = kvserve_llm(directory / "model.gguf").generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == expected
+    Qwen2: q/k/v biases; Qwen3: q/k norms; Gemma 3: norms stored as 1 + w, a SentencePiece vocabulary,
+    the window), one at a time and batched."""
+    directory, expected = checkpoints[GGUF_CHECKPOINTS[family]]
+    llm = kvserve_llm(directory / "model.gguf")
+    assert llm.engine.model.config.family == family
+    assert [llm.generate([ids], GREEDY)[0].token_ids for ids in PROMPTS] == expected
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
 
 
 @pytest.mark.parametrize("family", WINDOWED)

@@ -102,6 +102,55 @@ def test_a_long_sequence_holds_only_its_window(checkpoints):
     assert_idle(engine)
 
 
+# What a sample holds at once with chunked prefill (windowed_llm's 16-token steps): the window's keys before
+# a step's first query and the step's tokens, one block more where they straddle one (InputProcessor).
+ONE_STEP_HELD = div_ceil(WINDOW - 1 + 16, BLOCK) + 1
+
+
+def test_a_sample_longer_than_the_pool_is_admitted_and_equals_hf(checkpoints):
+    """Admission counts the blocks a sample holds at once, not one per block of its length: every sample
+    here needs more blocks than the pool has, and runs, alone and all at once (then with preemption)."""
+    directory, expected = checkpoints["mistral"]
+    assert min(div_ceil(len(p) + NEW_TOKENS, BLOCK) for p in PROMPTS) > ONE_STEP_HELD
+    llm = windowed_llm(directory, num_kv_blocks=ONE_STEP_HELD)
+    assert llm.engine.max_sequence_len == llm.engine.max_model_len
+    assert [llm.generate([ids], GREEDY)[0].token_ids for ids in PROMPTS] == expected
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert_idle(llm.engine)
+
+
+def test_cached_blocks_behind_the_window_are_not_counted_against_the_pool(checkpoints):
+    """A prompt whose cached prefix (6 blocks) and first chunk (4 more) exceed the pool (7): the hits behind
+    the window go straight back, so it needs only the 2 hits it keeps and the chunk's 4. Counting every hit,
+    admission waited for 10 free blocks in a pool of 7, for ever."""
+    directory, expected = checkpoints["mistral"]
+    engine = windowed_llm(directory, num_kv_blocks=ONE_STEP_HELD).engine
+    engine.add_request("prefix", _SHARED + [5], SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("hit", PROMPTS[1], GREEDY)
+    seq = engine.requests["hit"].sequences[0]
+    for _ in range(4 * NEW_TOKENS):  # a bound, so a stalled admission fails instead of hanging
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert seq.request.num_cached_tokens == len(_SHARED)
+    assert seq.output_token_ids == expected[1]
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("family, config", [("mistral", {"enable_chunked_prefill": False}), ("gemma3", {})])
+def test_a_sample_that_would_hold_more_than_the_pool_is_refused(checkpoints, family, config):
+    """Without chunked prefill a preempted sample recomputes all its tokens in one step; Gemma 3's global
+    layers keep every key. Either way the whole length must fit the pool, and the refusal names it."""
+    directory, _ = checkpoints[family]
+    llm = windowed_llm(directory, num_kv_blocks=ONE_STEP_HELD, **config)
+    needs = div_ceil(len(PROMPTS[0]) + NEW_TOKENS, BLOCK)
+    with pytest.raises(ValueError, match=f"needs {needs} KV blocks but the pool has only {ONE_STEP_HELD}"):
+        llm.generate([PROMPTS[0]], GREEDY)
+    assert_idle(llm.engine)
+
+
 def test_preemption_under_pressure_gives_hfs_tokens(checkpoints):
     """Twelve requests in a pool that holds four windows' worth of blocks: admissions count the free
     blocks of the moment, and prefill chunks then need more than the released ones give back, so the

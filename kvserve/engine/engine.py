@@ -115,9 +115,6 @@ class LLMEngine:
         if self.device.type == "cpu":
             return_freed_memory()  # the load's copies of the weights: host_memory.py
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        # The most tokens (prompt + output) one sequence can hold: the context, and the whole KV pool.
-        self.max_sequence_len = min(self.max_model_len, num_blocks * block_size)
-        self.inputs = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, num_blocks, config)
         self.attention_backend = (
             default_attention_backend(self.device) if config.attention_backend == "auto" else config.attention_backend
         )
@@ -125,6 +122,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, attention)
         draft = build_draft_proposer(config.speculative, self.runner, self.dtype, self.device, num_blocks)
         self.speculator = Speculator(config.speculative, draft) if config.speculative else None
+        window = _release_window(mcfg, draft)
+        self.inputs = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, num_blocks, config, window)
+        # The most tokens (prompt + output) one sequence can hold: the context, and the blocks it holds at once.
+        fits = self.inputs.most_blocks_held(self.max_model_len) <= num_blocks
+        self.max_sequence_len = self.max_model_len if fits else num_blocks * block_size
         # Decode-only steps have at most max_num_seqs rows (drafts turn row blocks off).
         self.scheduler = Scheduler(
             self.pool,
@@ -133,7 +135,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.enable_chunked_prefill,
             self.model.row_block(config.max_num_seqs),
-            _release_window(mcfg, draft),
+            window,
         )
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(config.seed)

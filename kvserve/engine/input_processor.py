@@ -24,13 +24,33 @@ class QueueFullError(RuntimeError):
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: TokenizerWrapper, vocab_size: int, max_model_len: int, num_kv_blocks: int, config: EngineConfig
+        self,
+        tokenizer: TokenizerWrapper,
+        vocab_size: int,
+        max_model_len: int,
+        num_kv_blocks: int,
+        config: EngineConfig,
+        release_window: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.config = config
+        self.release_window = release_window  # the scheduler's: blocks behind it go back to the pool
+
+    def most_blocks_held(self, num_tokens: int) -> int:
+        """The most KV blocks one sample of `num_tokens` tokens (prompt and output) holds at once: one per
+        block_size tokens, unless the scheduler releases the blocks behind the window (every layer
+        windowed) and prefill runs in chunks. Then a step holds the keys its first query sees (window - 1
+        before it) and the step's own tokens (at most max_num_batched_tokens), which may straddle one more
+        block. Without chunks a preempted sample recomputes all of its tokens in one step."""
+        block_size = self.config.block_size
+        whole = div_ceil(num_tokens, block_size)
+        if self.release_window is None or not self.config.enable_chunked_prefill:
+            return whole
+        one_step = self.release_window - 1 + self.config.max_num_batched_tokens
+        return min(whole, div_ceil(one_step, block_size) + 1)
 
     def process(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """The prompt's text (None when given as ids) and token ids, once prompt and params fit."""
@@ -55,7 +75,7 @@ class InputProcessor:
         return None, ids
 
     def check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
-        """The prompt leaves room for max_tokens in the context, and one sample's whole length fits the pool."""
+        """The prompt leaves room for max_tokens in the context, and one sample's blocks fit the pool."""
         if prompt_len >= self.max_model_len:
             raise ValueError(
                 f"prompt is {prompt_len} tokens; the model's context (max_model_len) is {self.max_model_len}, "
@@ -69,6 +89,6 @@ class InputProcessor:
         limit = min(self.config.max_n, self.config.max_num_seqs)
         if params.n > limit:
             raise ValueError(f"n must be at most {limit} (max_n, max_num_seqs), got {params.n}")
-        blocks = div_ceil(prompt_len + params.max_tokens, self.config.block_size)
+        blocks = self.most_blocks_held(prompt_len + params.max_tokens)
         if blocks > self.num_kv_blocks:
             raise ValueError(f"prompt + max_tokens needs {blocks} KV blocks but the pool has only {self.num_kv_blocks}")

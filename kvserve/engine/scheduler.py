@@ -221,7 +221,8 @@ class Scheduler:
                 # Without chunking a whole prompt runs at once; one larger than the budget runs alone.
                 want = remaining
             blocks_needed = div_ceil(computed + want, self.block_size) - len(hits)
-            revived = sum(1 for b in hits if self.pool.is_free(b))
+            # Hits behind the window go back to the pool at once: only the others are taken from it.
+            revived = sum(1 for b in hits[self._num_dead_blocks(computed) :] if self.pool.is_free(b))
             if self.pool.num_free - (blocks_needed + revived) < self.watermark_blocks and (
                 self.running or out.scheduled or self.pool.num_free < blocks_needed + revived
             ):
@@ -238,9 +239,9 @@ class Scheduler:
                 if self.pool.enable_caching:
                     self.pool.stats.queries += seq.num_tokens
                     self.pool.stats.hits += computed
+            self._release_behind_window(seq)  # hits behind the window: back to the pool, still cached
             for _ in range(blocks_needed):
                 seq.block_table.append(self.pool.allocate())
-            self._release_behind_window(seq)  # hits behind the window: back to the pool, still cached
             seq.status = SeqStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_key)
             budget -= want
@@ -301,13 +302,17 @@ class Scheduler:
         cached (evictable) block like any freed one, so a later request can still reuse it. Their slots keep
         RELEASED_SLOT, so that later slots keep their positions (sequence.py's invariant).
         """
-        if self.window is None:
-            return
-        dead = max(seq.num_computed_tokens - self.window + 1, 0) // self.block_size
+        dead = self._num_dead_blocks(seq.num_computed_tokens)
         for slot in range(seq.num_released_blocks, dead):
             self.pool.free(seq.block_table[slot])
             seq.block_table[slot] = RELEASED_SLOT
         seq.num_released_blocks = max(seq.num_released_blocks, dead)
+
+    def _num_dead_blocks(self, num_computed_tokens: int) -> int:
+        """How many leading blocks hold only keys no query from num_computed_tokens on sees (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(num_computed_tokens - self.window + 1, 0) // self.block_size
 
     def _free_all_blocks(self, seq: Sequence) -> None:
         self.pool.free_blocks(seq.held_blocks)

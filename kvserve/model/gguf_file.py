@@ -41,6 +41,17 @@ class GGUFTensor:
     file_offset: int  # where `data` starts in the file
 
 
+@dataclass(frozen=True)
+class _ArrayField:
+    """A metadata array of strings or scalars left in the file until read: the parse is kept for the
+    process's life (open_gguf_file), and Gemma 3's 262k tokens and scores held as Python objects were
+    over 40 MB of it (benchmarks/RESULTS.md, "Lean loading")."""
+
+    item: int  # the elements' value type
+    count: int
+    offset: int  # of the first element in the file
+
+
 class GGUFFile:
     def __init__(self, path: Path) -> None:
         with path.open("rb") as f:
@@ -51,10 +62,10 @@ class GGUFFile:
         version, tensor_count, kv_count = self._unpack("<IQQ")
         if version < 2:
             raise ValueError(f"{path}: GGUF version {version} is not supported (2 or later)")
-        self.fields: dict[str, Any] = {}
+        self._fields: dict[str, Any] = {}
         for _ in range(kv_count):
             key = self._string()
-            self.fields[key] = self._value(self._unpack("<I")[0])
+            self._fields[key] = self._value(self._unpack("<I")[0])
         infos = []
         for _ in range(tensor_count):
             name = self._string()
@@ -62,7 +73,7 @@ class GGUFFile:
             dims = self._unpack(f"<{n_dims}Q")
             kind, offset = self._unpack("<IQ")
             infos.append((name, dims, GGMLQuantizationType(kind), offset))
-        alignment = int(self.fields.get("general.alignment", 32))
+        alignment = int(self.field("general.alignment") or 32)
         start = div_ceil(self._pos, alignment) * alignment
         raw = np.frombuffer(self._map, dtype=np.uint8)
         self.tensors = []
@@ -73,6 +84,21 @@ class GGUFFile:
             data = raw[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
             shape = tuple(int(d) for d in reversed(dims))
             self.tensors.append(GGUFTensor(name, shape, kind, data, start + offset))
+
+    def field(self, key: str) -> Any:
+        """The metadata value under `key` (arrays as lists), or None."""
+        value = self._fields.get(key)
+        if not isinstance(value, _ArrayField):
+            return value
+        if value.item in _SCALARS:  # one copy of the whole array
+            dtype = _SCALARS[value.item][1]
+            return np.frombuffer(self._map, dtype=dtype, count=value.count, offset=value.offset).tolist()
+        strings, pos = [], value.offset
+        for _ in range(value.count):
+            (n,) = struct.unpack_from("<Q", self._map, pos)
+            strings.append(self._map[pos + 8 : pos + 8 + n].decode("utf-8"))
+            pos += 8 + n
+        return strings
 
     def row_chunks(self, tensor: GGUFTensor, max_elements: int) -> Iterator[tuple[int, np.ndarray]]:
         """(first row, rows) of `tensor` in turn, each as many whole rows as hold at most `max_elements`
@@ -117,13 +143,15 @@ class GGUFFile:
             return self._string()
         if kind == _ARRAY:
             item, count = self._unpack("<IQ")
-            if item == _STRING:
-                return [self._string() for _ in range(count)]
-            if item in _SCALARS:  # one copy of the whole array
-                dtype = _SCALARS[item][1]
-                values: np.ndarray = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos)
-                self._pos += values.nbytes
-                return values.tolist()
+            array = _ArrayField(item, count, self._pos)
+            if item == _STRING:  # skipped: each string's length, then its bytes
+                for _ in range(count):
+                    (n,) = self._unpack("<Q")
+                    self._pos += n
+                return array
+            if item in _SCALARS:
+                self._pos += count * struct.calcsize(_SCALARS[item][0])
+                return array
             return [self._value(item) for _ in range(count)]
         if kind not in _SCALARS:
             raise ValueError(f"unknown GGUF value type {kind}")

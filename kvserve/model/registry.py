@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.engine.host_memory import return_freed_memory
 from kvserve.model.config import ModelConfig
 from kvserve.model.gguf import architecture, iter_tensors, open_gguf, read_config, read_tokenizer_data
 from kvserve.model.hf import iter_hf_tensors, read_hf_config, safetensors_files
@@ -120,6 +121,9 @@ def _load(path: Path, kind: str, name: str) -> LoadedModel:
         reader = open_gguf(path)
         config = read_config(reader)
         tokenizer = TokenizerWrapper.from_gguf(read_tokenizer_data(reader))
+        # Building a vocabulary (Gemma's: the JSON of half a million merges) frees hundreds of MB that
+        # loading the weights would not reuse: back to the kernel before the weights come in.
+        return_freed_memory()
         files = [path]
         architecture_name = architecture(reader)
         tensor_types = Counter(tensor.tensor_type.name for tensor in reader.tensors)

@@ -30,7 +30,7 @@ LLAMA_GGUF_LAYER_NAMES = {
 
 
 def field_value(reader: GGUFFile, key: str) -> Any:
-    return reader.fields.get(key)
+    return reader.field(key)
 
 
 class GGUFMetadata:
