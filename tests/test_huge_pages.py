@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from kvserve import LLM
-from kvserve.model.huge_pages import ALIGN_BYTES, HUGE_PAGE_BYTES, empty_on_huge_pages, move_into_one_buffer
+from kvserve.engine.host_memory import keep_freed_memory
+from kvserve.model.huge_pages import (
+    ALIGN_BYTES,
+    HUGE_PAGE_BYTES,
+    RETURN_EVERY_BYTES,
+    empty_on_huge_pages,
+    move_into_one_buffer,
+)
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -54,6 +61,23 @@ def test_a_tensor_listed_twice_is_moved_once() -> None:
     buffer = move_into_one_buffer([tied, other, tied])
     assert buffer is not None and buffer.numel() == 64 * 16 + 16
     assert move_into_one_buffer([]) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status; malloc_trim is glibc's")
+def test_moving_does_not_hold_every_tensor_twice() -> None:
+    """The originals' pages go back to the kernel while the copies are made: at the end the process holds
+    the buffer and at most RETURN_EVERY_BYTES of freed originals, not a second copy of everything."""
+    keep_freed_memory()  # as the engine runs: the heap keeps what it frees until told otherwise
+    tensors = [torch.ones(2 * 2**20) for _ in range(16)]  # 16 x 8 MiB, from the heap (below its mmap threshold)
+    before = rss_mib()
+    move_into_one_buffer(tensors)
+    assert rss_mib() - before < (RETURN_EVERY_BYTES + 8 * 2**20) / 2**20 + 8  # the copies replaced the originals
+    assert all(bool((t == 1).all()) for t in tensors)
+
+
+def rss_mib() -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
 
 
 def test_mixed_dtypes_are_refused() -> None:

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvserve.engine.host_memory import return_freed_memory
 from kvserve.intmath import div_ceil
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE_BYTES = 2 * 2**20
 # Each tensor in a shared buffer starts on a cache line, as the kernels' 64-byte vector and tile loads expect.
 ALIGN_BYTES = 64
+# While moving, the originals' freed pages go back to the kernel every this many bytes: the process would
+# otherwise hold every weight twice at the end of loading (the heap keeps what it frees: host_memory.py).
+RETURN_EVERY_BYTES = 16 * 2**20
 
 
 def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -67,9 +71,14 @@ def move_into_one_buffer(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None
         offsets.append(total)
         total += div_ceil(t.numel(), align) * align
     buffer = empty_on_huge_pages(total, dtype)
+    moved = 0
     for t, offset in zip(distinct, offsets, strict=True):
         copy = buffer[offset : offset + t.numel()].view(t.shape)
         copy.copy_(t)
         with torch.no_grad():
             t.set_(buffer.untyped_storage(), buffer.storage_offset() + offset, t.shape, copy.stride())
+        moved += t.nbytes
+        if moved >= RETURN_EVERY_BYTES:  # the originals' pages, freed by set_, back to the kernel as we go
+            return_freed_memory()
+            moved = 0
     return buffer
