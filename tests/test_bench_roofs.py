@@ -125,3 +125,21 @@ def test_a_peer_that_dies_at_start_up_is_reported_with_its_exit_code_and_the_run
     failures = [{"engine": "llamacpp", "round": 0, "error": "exited (exit code -4)"}]
     cpu_performance_tables.print_start_failures(failures)
     assert "no rows for llamacpp (round 1): exited (exit code -4)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "native_bf16, weights, kind",
+    [
+        (True, row_roofs.Weights("bfloat16", False, "bfloat16"), "bf16"),
+        # kvserve's `auto` with bf16 activations: panels dequantized to bf16 and multiplied as such.
+        (True, row_roofs.Weights("bfloat16", True, "bfloat16"), "bf16"),
+        (False, row_roofs.Weights("bfloat16", True, "bfloat16"), "fp32"),
+        (False, row_roofs.Weights("bfloat16", False, "bfloat16"), "fp32"),
+        (True, row_roofs.PEER_WEIGHTS["gguf"], "fp32"),
+        (True, row_roofs.PEER_WEIGHTS["fp32"], "fp32"),
+    ],
+)
+def test_the_gemm_roof_is_the_rate_the_products_run_at(native_bf16, weights, kind):
+    roofs = {**SYNTHETIC_ROOFS, "native_bf16": native_bf16}
+    rate, named = row_roofs.gemm_rate(roofs, weights)
+    assert named == kind and rate == roofs[f"gemm_{kind}"]["flop_s"]
