@@ -96,7 +96,7 @@ BACKENDS = {
         AttentionBackend("tiled", tiled_attention, windows=True, decode_rows_on_cpu_kernel=False),
         AttentionBackend("sdpa", sdpa_attention, windows=True, decode_rows_on_cpu_kernel=False),
         AttentionBackend("reference", paged_reference_attention, windows=True, decode_rows_on_cpu_kernel=False),
-        AttentionBackend("triton", None, windows=False, decode_rows_on_cpu_kernel=False),
+        AttentionBackend("triton", None, windows=True, decode_rows_on_cpu_kernel=False),
     )
 }
 

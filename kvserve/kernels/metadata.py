@@ -11,11 +11,11 @@ are valid block ids; entries beyond that are padding (any valid id) and must be 
 Released slots: when every layer of the model has a window W, the entries of the blocks wholly before
 position (seq_lens[i] - query_lens[i]) - W + 1, the first key sequence i's first query row sees, may be
 released (engine/sequence.py's RELEASED_SLOT): a valid id, but the block may hold another sequence's K/V.
-No backend lets such a key into its result: the compiled CPU kernel and the tiled kernel start reading at
-the block of that first window key and never read the entry; sdpa and the reference gather it and mask
-it with the window, and since every block of the cache holds finite values (zeroed when the cache is made,
-then written only with K/V), a masked key's score is -inf, its weight exactly 0 and 0 x its finite value
-adds nothing (no NaN). Triton refuses windowed models.
+No backend lets such a key into its result: the compiled CPU kernel, the tiled kernel and the Triton
+kernels start reading at the block of that first window key and never read the entry; sdpa and the
+reference gather it and mask it with the window, and since every block of the cache holds finite values
+(zeroed when the cache is made, then written only with K/V), a masked key's score is -inf, its weight
+exactly 0 and 0 x its finite value adds nothing (no NaN).
 Host-side copies of the lengths are kept so backends can plan loops without a device sync.
 
 One metadata object serves every layer of a forward pass, so backends memoize what depends only on

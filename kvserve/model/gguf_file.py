@@ -45,7 +45,7 @@ class GGUFTensor:
 class _ArrayField:
     """A metadata array of strings or scalars left in the file until read: the parse is kept for the
     process's life (open_gguf_file), and Gemma 3's 262k tokens and scores held as Python objects were
-    over 40 MB of it (benchmarks/RESULTS.md, "Lean loading")."""
+    over 40 MB of it (benchmarks/RESULTS.md, "Loading Gemma 3 within the RSS budget")."""
 
     item: int  # the elements' value type
     count: int

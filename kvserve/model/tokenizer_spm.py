@@ -40,7 +40,7 @@ def merges_from_vocab(tokens: list[str]) -> Iterator[tuple[str, str]]:
 def _with_vocabulary(skeleton: Tokenizer, tokens: list[str]) -> Tokenizer:
     """`skeleton` (a BPE of one token) with the vocabulary `tokens` and their merges, parsed from JSON
     written a few thousand merges at a time: handing them over as Python pairs held half a million
-    tuples and a million strings at once (benchmarks/RESULTS.md, "Lean loading", for Gemma's figures)."""
+    tuples and a million strings at once (benchmarks/RESULTS.md, "Loading Gemma 3 within the RSS budget")."""
     spec = json.loads(skeleton.to_str())
     spec["model"]["vocab"], spec["model"]["merges"] = _VOCAB_MARK, _MERGES_MARK
     head, rest = json.dumps(spec).split(json.dumps(_VOCAB_MARK))

@@ -19,11 +19,13 @@ def triton_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """A mixed batch: few-token sequences through the decode kernel, the rest through prefill."""
+    """A mixed batch: few-token sequences through the decode kernel, the rest through prefill; `window`:
+    each query sees only the last `window` keys."""
     out = torch.empty_like(q)
     decode = [i for i, n in enumerate(meta.query_lens_host) if n <= DECODE_MAX_QUERY_LEN]
     prefill = [i for i, n in enumerate(meta.query_lens_host) if n > DECODE_MAX_QUERY_LEN]
-    triton_decode_attention(q, k_cache, v_cache, meta, scale, seqs=decode, out=out)
-    triton_prefill_attention(q, k_cache, v_cache, meta, scale, seqs=prefill, out=out)
+    triton_decode_attention(q, k_cache, v_cache, meta, scale, seqs=decode, out=out, window=window)
+    triton_prefill_attention(q, k_cache, v_cache, meta, scale, seqs=prefill, out=out, window=window)
     return out

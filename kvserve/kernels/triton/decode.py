@@ -3,7 +3,9 @@
 One program per (sequence, KV head, split). Its rows are every (query token, query head) pair that
 reads this KV head, so K/V are loaded once for the whole GQA group. With several splits each program
 writes its unnormalized (m, den, acc) state and the splits are merged with `merge_attention_states`,
-the same statistics combination the CPU kernel uses (flash-decoding).
+the same statistics combination the CPU kernel uses (flash-decoding). With a sliding window W
+(WINDOWED) the splits share the keys from the first query token's first window key on, so the entries
+of released blocks before it are never read (metadata.py).
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ def _decode_kernel(
     stride_ms,
     stride_mt,
     stride_bt,
+    window,  # keys a query sees, itself included (with WINDOWED)
     GROUP: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NORMALIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -63,8 +67,11 @@ def _decode_kernel(
     q_start = tl.load(CU_Q + seq)
     q_len = tl.load(CU_Q + seq + 1) - q_start
     seq_len = tl.load(SEQ_LENS + seq)
-    chunk = tl.cdiv(seq_len, NUM_SPLITS)
-    kv_start = split * chunk
+    first = 0
+    if WINDOWED:  # the first query token's first key
+        first = tl.maximum(seq_len - q_len - window + 1, 0)
+    chunk = tl.cdiv(seq_len - first, NUM_SPLITS)
+    kv_start = first + split * chunk
     kv_end = tl.minimum(kv_start + chunk, seq_len)
 
     rows = tl.arange(0, BLOCK_M)  # row r = (token r // GROUP, head kv_head * GROUP + r % GROUP)
@@ -94,7 +101,10 @@ def _decode_kernel(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((offs_n[None, :] <= qpos[:, None]) & n_valid[None, :], s, float("-inf"))
+        seen = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
+        if WINDOWED:
+            seen = seen & (offs_n[None, :] > qpos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -120,7 +130,10 @@ def _decode_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over, but no split shorter than 256 keys."""
+    """Enough programs to fill the GPU twice over, but no split shorter than 256 keys; one split off CUDA
+    (Triton's interpreter runs the kernels on the CPU, one program at a time)."""
+    if device.type != "cuda":
+        return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = div_ceil(2 * sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(wanted, max_seq_len // 256))
@@ -136,8 +149,10 @@ def triton_decode_attention(
     seqs: list[int] | None = None,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Paged decode for the sequences in seqs (default all; each with a few query tokens)."""
+    """Paged decode for the sequences in seqs (default all; each with a few query tokens); `window`: each
+    query sees only the last `window` keys."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -182,12 +197,14 @@ def triton_decode_attention(
         m.stride(0),
         m.stride(1),
         meta.block_tables.stride(0),
+        window or 0,
         GROUP=group,
         CACHE_BLOCK=meta.block_size,
         HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=max(16, triton.next_power_of_2(group * max_q)),
         BLOCK_N=block_n,
+        WINDOWED=window is not None,
         NUM_SPLITS=num_splits,
         NORMALIZE=normalize,
         DOT_PRECISION=dot_precision(q.dtype),

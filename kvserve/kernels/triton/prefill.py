@@ -2,7 +2,9 @@
 
 One program per (query tile, sequence, query head). It walks the sequence's keys (cached prefix and new
 tokens alike) through its block table, BLOCK_N at a time, up to the tile's last position, keeping the
-running max, denominator and accumulator in registers; normalizes once; writes its rows.
+running max, denominator and accumulator in registers; normalizes once; writes its rows. With a sliding
+window W (WINDOWED) a query at p sees keys p - W + 1 .. p: the walk starts at the tile's first query's
+first key, so the entries of released blocks before it are never read (metadata.py).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    window,  # keys a query sees, itself included (with WINDOWED)
     GROUP: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -70,7 +74,10 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # causal: nothing past the last row
-        for start in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if WINDOWED:  # nothing before the first row's window
+            kv_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+        for start in range(kv_start, kv_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
             block = tl.load(BLOCK_TABLES + seq * stride_bt + offs_n // CACHE_BLOCK, mask=n_valid, other=0)
@@ -82,7 +89,10 @@ def _prefill_kernel(
                 other=0.0,
             )
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where((offs_n[None, :] <= qpos[:, None]) & n_valid[None, :], s, float("-inf"))
+            seen = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
+            if WINDOWED:
+                seen = seen & (offs_n[None, :] > qpos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
@@ -117,8 +127,10 @@ def triton_prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Varlen causal prefill for the sequences in seqs (default all), written into out's rows."""
+    """Varlen causal prefill for the sequences in seqs (default all), written into out's rows; `window`:
+    each query sees only the last `window` keys."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     seqs = list(range(meta.num_seqs)) if seqs is None else seqs
@@ -148,12 +160,14 @@ def triton_prefill_attention(
         out.stride(0),
         out.stride(1),
         meta.block_tables.stride(0),
+        window or 0,
         GROUP=hq // hkv,
         CACHE_BLOCK=meta.block_size,
         HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        WINDOWED=window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
     )
     return out
