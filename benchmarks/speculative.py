@@ -16,6 +16,12 @@ cost model chose not to speculate, speedup in tokens/s over no speculation on th
 batch, and how many outputs equal the non-speculative ones (bf16 verification batches tokens
 differently, so near-ties may resolve differently; float32 matches exactly, see tests/test_spec_engine.py).
 
+The whole matrix runs --rounds times; each row reports the medians over rounds, and its speedup is the
+median of each round's ratio to that round's run without speculation (the runs of a row and its baseline
+are minutes apart at most), with the lowest and highest ratio beside it. A run lasts a few seconds, and
+one run's row moved by 5-10 % with nothing to do with speculation (benchmarks/RESULTS.md, "Speculation
+with the planner on, on the AMX Xeon").
+
     python benchmarks/speculative.py                                  # dtype auto (bf16 here), 128 tokens
     python benchmarks/speculative.py --max-tokens 48 --solo-requests 1 --batch-sizes 1 16
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -123,6 +130,21 @@ def _cell(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def median_over_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (workload, batch, method): the last round's row with its figures replaced by their
+    medians over rounds (a figure a round lacks, such as acceptance without drafts, stays None)."""
+    merged = []
+    for rows in zip(*rounds, strict=True):
+        row = dict(rows[-1])
+        for key in ("tokens_per_s", "speedup", "acceptance_rate", "tokens_per_target_step", "skipped_share"):
+            values = [r[key] for r in rows if r[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        row["speedup_range"] = (min(r["speedup"] for r in rows), max(r["speedup"] for r in rows))
+        row["rounds"] = len(rows)
+        merged.append(row)
+    return merged
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
@@ -131,6 +153,7 @@ def main() -> int:
     parser.add_argument("--solo-requests", type=int, default=2, help="requests run one at a time at batch 1")
     parser.add_argument("--kv-blocks", type=int, default=1024)
     parser.add_argument("--warmup-tokens", type=int, default=16, help="untimed first pass of every run (0: none)")
+    parser.add_argument("--rounds", type=int, default=3, help="times the matrix runs; rows report medians")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "speculative.json")
     args = parser.parse_args()
 
@@ -138,16 +161,20 @@ def main() -> int:
     if args.warmup_tokens:
         # CPU bf16 kernels are prepared once per matrix shape; speculation feeds many new shapes.
         run_all(prompts, args.warmup_tokens, args, quiet=True)
-    runs = run_all(prompts, args.max_tokens, args, quiet=False)
+    runs = median_over_rounds([run_all(prompts, args.max_tokens, args, quiet=False) for _ in range(args.rounds)])
 
-    print(f"\ndtype {runs[0]['dtype']}, {args.max_tokens} output tokens per request, greedy, adaptive k\n")
-    print("| workload | batch | method | out tokens | tok/s | speedup | acceptance | tokens/step | skipped | same |")
+    print(f"\ndtype {runs[0]['dtype']}, {args.max_tokens} output tokens per request, greedy, adaptive k, ", end="")
+    print(f"medians of {args.rounds} rounds\n")
+    columns = ["out tokens", "tok/s", "speedup (range)", "acceptance", "tokens/step", "skipped", "same"]
+    print("| workload | batch | method | " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
+        low, high = r["speedup_range"]
         print(
             f"| {r['workload']} | {r['batch']} | {r['method']} | {r['output_tokens']} | {r['tokens_per_s']:.1f} | "
-            f"{r['speedup']:.2f} | {_cell(r['acceptance_rate'])} | {_cell(r['tokens_per_target_step'])} | "
-            f"{_cell(r['skipped_share'])} | {r['same_outputs']}/{len(r['token_ids'])} |"
+            f"{r['speedup']:.2f} ({low:.2f}-{high:.2f}) | {_cell(r['acceptance_rate'])} | "
+            f"{_cell(r['tokens_per_target_step'])} | {_cell(r['skipped_share'])} | "
+            f"{r['same_outputs']}/{len(r['token_ids'])} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": runs}
