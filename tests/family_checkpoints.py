@@ -31,7 +31,7 @@ _SHAPE = dict(
 
 def family_configs() -> dict:
     """transformers config objects, one per family, in transformers 5's spelling."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     llama3 = dict(
         rope_type="llama3",
@@ -41,39 +41,35 @@ def family_configs() -> dict:
         high_freq_factor=4.0,
         original_max_position_embeddings=16,
     )
-    gemma3_rope = {"rope_type": "default", "rope_theta": 50_000.0}
     return {
         "llama": LlamaConfig(**_SHAPE, num_hidden_layers=2, rope_parameters=llama3),
         "mistral": MistralConfig(**_SHAPE, num_hidden_layers=2, sliding_window=WINDOW),
         "qwen2": Qwen2Config(**_SHAPE, num_hidden_layers=2, tie_word_embeddings=False),
         "qwen3": Qwen3Config(**_SHAPE, num_hidden_layers=2, head_dim=32),
-        "gemma3": Gemma3TextConfig(
-            **_SHAPE,
-            num_hidden_layers=4,
-            head_dim=32,
-            sliding_window=WINDOW,
-            layer_types=LAYER_TYPES,
-            query_pre_attn_scalar=24,
-            rope_parameters={
-                "full_attention": gemma3_rope,
-                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
-            },
-        ),
+        "gemma3": _gemma3_config(LAYER_TYPES, query_pre_attn_scalar=24, sliding_rope_theta=500.0),
         # Gemma 3 as its GGUF spells it, which has no keys for these (llama.cpp's rules, gemma3.py): every
         # sixth layer global, the sliding layers' RoPE base 10,000, queries scaled by 1/sqrt(head_dim).
-        "gemma3-gguf": Gemma3TextConfig(
-            **_SHAPE,
-            num_hidden_layers=6,
-            head_dim=32,
-            sliding_window=WINDOW,
-            layer_types=LAYER_TYPES_EVERY_SIXTH_GLOBAL,
-            query_pre_attn_scalar=32,
-            rope_parameters={
-                "full_attention": gemma3_rope,
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            },
+        "gemma3-gguf": _gemma3_config(
+            LAYER_TYPES_EVERY_SIXTH_GLOBAL, query_pre_attn_scalar=32, sliding_rope_theta=10_000.0
         ),
     }
+
+
+def _gemma3_config(layer_types: list[str], query_pre_attn_scalar: int, sliding_rope_theta: float):  # noqa: ANN202
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_SHAPE,
+        num_hidden_layers=len(layer_types),
+        head_dim=32,
+        sliding_window=WINDOW,
+        layer_types=layer_types,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 50_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": sliding_rope_theta},
+        },
+    )
 
 
 @torch.no_grad()
@@ -233,6 +229,7 @@ def write_gguf(family: str, model, path: Path, block_types: dict | None = None) 
     writer.add_eos_token_id(config.eos_token_id)
     if rope["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config))
+    layer_names = {**_GGUF_LAYER_NAMES, **_GEMMA3_GGUF_LAYER_NAMES} if gemma else _GGUF_LAYER_NAMES
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
         if gemma and name.endswith("norm.weight"):
@@ -251,8 +248,7 @@ def write_gguf(family: str, model, path: Path, block_types: dict | None = None) 
                 array = _llama_cpp_permute(array, config.num_attention_heads)
             elif family == "llama" and stem == "self_attn.k_proj":
                 array = _llama_cpp_permute(array, config.num_key_value_heads)
-            names = {**_GGUF_LAYER_NAMES, **_GEMMA3_GGUF_LAYER_NAMES} if gemma else _GGUF_LAYER_NAMES
-            add(writer, f"blk.{layer}.{names[stem]}.{suffix}", stem, array)
+            add(writer, f"blk.{layer}.{layer_names[stem]}.{suffix}", stem, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -11,6 +11,7 @@ import torch
 
 from kvserve import LLM
 from kvserve.engine.host_memory import keep_freed_memory
+from kvserve.engine.startup_report import process_memory_mib
 from kvserve.model.huge_pages import (
     ALIGN_BYTES,
     HUGE_PAGE_BYTES,
@@ -69,15 +70,11 @@ def test_moving_does_not_hold_every_tensor_twice() -> None:
     the buffer and at most RETURN_EVERY_BYTES of freed originals, not a second copy of everything."""
     keep_freed_memory()  # as the engine runs: the heap keeps what it frees until told otherwise
     tensors = [torch.ones(2 * 2**20) for _ in range(16)]  # 16 x 8 MiB, from the heap (below its mmap threshold)
-    before = rss_mib()
+    before = process_memory_mib()[0]
     move_into_one_buffer(tensors)
-    assert rss_mib() - before < (RETURN_EVERY_BYTES + 8 * 2**20) / 2**20 + 8  # the copies replaced the originals
+    # The copies replaced the originals: at most RETURN_EVERY_BYTES and one tensor of them still resident.
+    assert process_memory_mib()[0] - before < (RETURN_EVERY_BYTES + 8 * 2**20) / 2**20 + 8
     assert all(bool((t == 1).all()) for t in tensors)
-
-
-def rss_mib() -> float:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
 
 
 def test_mixed_dtypes_are_refused() -> None:
