@@ -56,11 +56,15 @@ raw_t<scalar_t>* raw(const at::Tensor& t) {
 
 // This thread's scratch buffer of Ts (one per type), at least `size` of them, kept for its next call: a
 // quantized product's panel tile is 72-192 KiB, which malloc would map, fault in and unmap on every call.
+// It starts on a cache line (64 bytes), so 64-byte vector stores into rows of whole lines never split.
 template <typename T>
 T* thread_scratch(int64_t size) {
+  constexpr int64_t kLine = 64;
   thread_local std::vector<T> scratch;
-  if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
-  return scratch.data();
+  const int64_t padded = size + kLine / static_cast<int64_t>(sizeof(T));
+  if (static_cast<int64_t>(scratch.size()) < padded) scratch.resize(padded);
+  const auto address = reinterpret_cast<std::uintptr_t>(scratch.data());
+  return reinterpret_cast<T*>((address + kLine - 1) / kLine * kLine);
 }
 
 inline float to_float(float x) { return x; }

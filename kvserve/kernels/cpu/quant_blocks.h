@@ -4,7 +4,9 @@
 // A quantized [N, K] matrix is uint8 [N, row_bytes]: each row is K / kElems blocks of kBytes bytes
 // (kvserve/model/quantized.py). Scales are IEEE half floats (f16), little-endian like everything here.
 // `dequantize` computes each value with the float32 operations, in the order, of gguf.quants.dequantize
-// (the reference the tests compare with): with -ffp-contract=off the results are bit-identical.
+// (the reference the tests compare with): with -ffp-contract=off the results are bit-identical. Into bf16
+// (Out = uint16_t, bf16 bits) each of those float32 values is rounded once more, to nearest even, as
+// torch's conversion rounds the dense bf16 engine's weights: quant_linear_bf16.cpp's panels.
 //
 // Per type, element e of a block (llama.cpp's ggml-common.h is the specification):
 //   Q8_0  [d f16][qs int8 x32]                      w = qs[e] * d
@@ -22,6 +24,8 @@
 #include <torch/extension.h>
 
 #include <c10/util/Half.h>
+
+#include "common.h"
 
 #include <immintrin.h>
 
@@ -70,20 +74,31 @@ inline __m256i high_bits32(const uint8_t* qh) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 // out[e] = q[e] * scale (+ add), q 32 signed bytes; bytes 0-15 take scale_low, 16-31 scale_high. One
-// rounding per operation, no fused multiply-add: the reference's float32 arithmetic.
-// Sixteen lanes at a time where the path has AVX-512: the same operations per element.
-template <bool kAdd>
-inline void widen32(__m256i q, float scale_low, float scale_high, float add, float* out) {
+// rounding per operation, no fused multiply-add: the reference's float32 arithmetic; into bf16 (Out =
+// uint16_t, only on AVX512-BF16) one more rounding to nearest even. Sixteen lanes at a time where the path
+// has AVX-512: the same operations per element.
+template <bool kAdd, typename Out>
+inline void widen32(__m256i q, float scale_low, float scale_high, float add, Out* out) {
   const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
 #ifdef __AVX512F__
+  __m512 v[2];
   for (int i = 0; i < 2; ++i) {
-    __m512 v =
+    v[i] =
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(halves[i])), _mm512_set1_ps(i ? scale_high : scale_low));
-    if constexpr (kAdd) v = _mm512_add_ps(v, _mm512_set1_ps(add));
-    _mm512_storeu_ps(out + 16 * i, v);
+    if constexpr (kAdd) v[i] = _mm512_add_ps(v[i], _mm512_set1_ps(add));
   }
-  return;
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm512_storeu_ps(out, v[0]);
+    _mm512_storeu_ps(out + 16, v[1]);
+  } else {
+#ifdef __AVX512BF16__
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+#else
+    static_assert(sizeof(Out) == 0, "bf16 output needs AVX512-BF16");
 #endif
+  }
+#else
+  static_assert(std::is_same_v<Out, float>, "bf16 output needs AVX512-BF16");
   for (int i = 0; i < 4; ++i) {
     const __m128i eight = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
     __m256 v =
@@ -91,56 +106,61 @@ inline void widen32(__m256i q, float scale_low, float scale_high, float add, flo
     if constexpr (kAdd) v = _mm256_add_ps(v, _mm256_set1_ps(add));
     _mm256_storeu_ps(out + 8 * i, v);
   }
+#endif
 }
 #endif
 
 // Each type's `dequantize`: the vector form where AVX2 is there, the scalar definition otherwise.
 struct Q8_0 {
   static constexpr int64_t kType = 8, kElems = 32, kBytes = 34;
-  static void dequantize(const uint8_t* b, float* out) {
+  template <typename Out>
+  static void dequantize(const uint8_t* b, Out* out) {
     const float d = half_to_float(b);
 #ifdef KVSERVE_QUANT_AVX2
     widen32<false>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), d, d, 0.f, out);
     return;
 #endif
     const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-    for (int e = 0; e < 32; ++e) out[e] = static_cast<float>(qs[e]) * d;
+    for (int e = 0; e < 32; ++e) out[e] = from_float<Out>(static_cast<float>(qs[e]) * d);
   }
 };
 
 struct Q4_0 {
   static constexpr int64_t kType = 2, kElems = 32, kBytes = 18;
-  static void dequantize(const uint8_t* b, float* out) {
+  template <typename Out>
+  static void dequantize(const uint8_t* b, Out* out) {
     const float d = half_to_float(b);
 #ifdef KVSERVE_QUANT_AVX2
     widen32<false>(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), d, d, 0.f, out);
     return;
 #endif
     for (int e = 0; e < 16; ++e) {
-      out[e] = d * static_cast<float>((b[2 + e] & 0xF) - 8);
-      out[e + 16] = d * static_cast<float>((b[2 + e] >> 4) - 8);
+      out[e] = from_float<Out>(d * static_cast<float>((b[2 + e] & 0xF) - 8));
+      out[e + 16] = from_float<Out>(d * static_cast<float>((b[2 + e] >> 4) - 8));
     }
   }
 };
 
 struct Q4_1 {
   static constexpr int64_t kType = 3, kElems = 32, kBytes = 20;
-  static void dequantize(const uint8_t* b, float* out) {
+  template <typename Out>
+  static void dequantize(const uint8_t* b, Out* out) {
     const float d = half_to_float(b), m = half_to_float(b + 2);
 #ifdef KVSERVE_QUANT_AVX2
     widen32<true>(nibbles32(b + 4), d, d, m, out);
     return;
 #endif
     for (int e = 0; e < 16; ++e) {
-      out[e] = d * static_cast<float>(b[4 + e] & 0xF) + m;
-      out[e + 16] = d * static_cast<float>(b[4 + e] >> 4) + m;
+      out[e] = from_float<Out>(d * static_cast<float>(b[4 + e] & 0xF) + m);
+      out[e + 16] = from_float<Out>(d * static_cast<float>(b[4 + e] >> 4) + m);
     }
   }
 };
 
 struct Q5_0 {
   static constexpr int64_t kType = 6, kElems = 32, kBytes = 22;
-  static void dequantize(const uint8_t* b, float* out) {
+  template <typename Out>
+  static void dequantize(const uint8_t* b, Out* out) {
     const float d = half_to_float(b);
 #ifdef KVSERVE_QUANT_AVX2
     widen32<false>(_mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits32(b + 2)), _mm256_set1_epi8(16)), d, d,
@@ -152,15 +172,16 @@ struct Q5_0 {
     for (int e = 0; e < 16; ++e) {
       const int low = (b[6 + e] & 0xF) | (((qh >> e) & 1) << 4);
       const int high = (b[6 + e] >> 4) | (((qh >> (e + 16)) & 1) << 4);
-      out[e] = d * static_cast<float>(low - 16);
-      out[e + 16] = d * static_cast<float>(high - 16);
+      out[e] = from_float<Out>(d * static_cast<float>(low - 16));
+      out[e + 16] = from_float<Out>(d * static_cast<float>(high - 16));
     }
   }
 };
 
 struct Q4_K {
   static constexpr int64_t kType = 12, kElems = 256, kBytes = 144;
-  static void dequantize(const uint8_t* b, float* out) {
+  template <typename Out>
+  static void dequantize(const uint8_t* b, Out* out) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t* scales = b + 4;
     const uint8_t* qs = b + 16;
@@ -176,14 +197,16 @@ struct Q4_K {
                     out + 32 * j);  // x - o == x + -o
       continue;
 #endif
-      for (int l = 0; l < 32; ++l) out[32 * j + l] = scale * static_cast<float>((q[l] >> shift) & 0xF) - offset;
+      for (int l = 0; l < 32; ++l)
+        out[32 * j + l] = from_float<Out>(scale * static_cast<float>((q[l] >> shift) & 0xF) - offset);
     }
   }
 };
 
 struct Q6_K {
   static constexpr int64_t kType = 14, kElems = 256, kBytes = 210;
-  static void dequantize(const uint8_t* b, float* out) {
+  template <typename Out>
+  static void dequantize(const uint8_t* b, Out* out) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
@@ -205,7 +228,7 @@ struct Q6_K {
     for (int e = 0; e < 256; ++e) {
       const int h = e / 128, t = e % 128 / 32, l = e % 32;
       const int q = ((ql[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0xF) | (((qh[32 * h + l] >> (2 * t)) & 3) << 4);
-      out[e] = d * static_cast<float>(scales[e / 16]) * static_cast<float>(q - 32);
+      out[e] = from_float<Out>(d * static_cast<float>(scales[e / 16]) * static_cast<float>(q - 32));
     }
   }
 };

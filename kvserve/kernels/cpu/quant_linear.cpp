@@ -6,7 +6,7 @@
 // multiplies every row of x with it. So the weights are read once per call at their quantized size and
 // the products see the same float32 values as dequantize-then-matmul: the results differ from that
 // reference only in the order of the float32 sums. Except for bf16 x where the path multiplies bf16
-// natively (AMX, AVX512-BF16): there the panel is rounded to bf16 and multiplied on those instructions
+// natively (AMX, AVX512-BF16): there the panel is dequantized into bf16 and multiplied on those instructions
 // (quant_linear_bf16.cpp), so the results are the dense bf16 engine's, up to the order of the sums.
 //
 // Micro-kernel (AVX2 + FMA): kXRows rows of x times kWRows rows of the tile in dot-product form, eight
@@ -76,18 +76,20 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
     const uint8_t* w = blocks.data_ptr<uint8_t>();
     const int64_t row_bytes = blocks.size(1);
-    if (x.scalar_type() == at::kBFloat16 && bf16_panel::available()) {
-      // Native bf16 products: the weights meet x rounded to bf16, as the dense bf16 engine's do.
-      const at::Tensor xc = x.contiguous();
-      auto y = at::empty({rows, n}, x.options());
-      if (rows == 0) return y;
-      bf16_panel::linear(
-          raw<c10::BFloat16>(xc), rows, k, n,
-          [=](int64_t n0, int64_t w_rows, float* tile) {
-            quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
-          },
-          raw<c10::BFloat16>(y));
-      return y;
+    if constexpr (bf16_panel::kAvailable) {
+      if (x.scalar_type() == at::kBFloat16) {
+        // Native bf16 products: the weights meet x rounded to bf16, as the dense bf16 engine's do.
+        const at::Tensor xc = x.contiguous();
+        auto y = at::empty({rows, n}, x.options());
+        if (rows == 0) return y;
+        bf16_panel::linear(
+            raw<c10::BFloat16>(xc), rows, k, n,
+            [=](int64_t n0, int64_t w_rows, uint16_t* panel) {
+              quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, panel);
+            },
+            raw<c10::BFloat16>(y));
+        return y;
+      }
     }
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     auto y = at::empty({rows, n}, x.options());

@@ -1,8 +1,8 @@
 // quant_linear for bf16 activations on paths with native bf16 products (quant_linear_bf16.h).
 //
-// Each thread takes panels of kPanelRows weight rows: the caller's function dequantizes a panel into a
-// float32 tile, which is rounded to a bf16 panel (round to nearest even, as torch's conversion), then
-// every row of x meets it:
+// Each thread takes panels of kPanelRows weight rows: the caller's function dequantizes a panel straight
+// into bf16 (each float32 value rounded to nearest even, as torch's conversion; no float32 tile is
+// written), then every row of x meets it:
 // - AMX (TDPBF16PS): the panel's rows are A tiles as they lie (16 weight rows x 32 bf16, row stride k);
 //   x is the B operand, packed once per call into the layout TDPBF16PS reads (per 16 rows of x and 32
 //   columns: 16 column pairs x 16 rows x 2 bf16). A result tile is then 16 weight rows x 16 rows of x,
@@ -23,12 +23,6 @@ namespace kvserve::bf16_panel {
 namespace {
 
 constexpr int64_t kDepth = 32;  // bf16 columns per AMX tile row, and per VDPBF16PS
-
-// The dequantized rows [0, rows) of tile rounded into panel (both row stride k, k % 16 == 0).
-void round_to_bf16(const float* tile, int64_t rows, int64_t k, uint16_t* panel) {
-  for (int64_t e = 0; e < rows * k; e += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + e), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tile + e)));
-}
 
 constexpr int kXRows = 4, kWRows = 4;
 
@@ -154,8 +148,6 @@ void panel_times_x_amx(const uint16_t* panel, int64_t w_rows, const uint32_t* pa
 
 }  // namespace
 
-bool available() { return true; }
-
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t n, const DequantizeRows& dequantize, uint16_t* y) {
   TORCH_CHECK(k % kDepth == 0, "bf16 panel product: k must be a multiple of ", kDepth, ", got ", k);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
@@ -164,14 +156,12 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t n, const Dequantize
     const std::vector<uint32_t> packed = pack_x(x, m, k);
     const uint32_t* packed_x = packed.data();
     at::parallel_for(0, panels, 1, [=, &dequantize](int64_t begin, int64_t end) {
-      float* tile = thread_scratch<float>(kPanelRows * k);
       uint16_t* panel = thread_scratch<uint16_t>(kPanelRows * k);  // rows past a last panel's w_rows: never stored
       const TileConfig config = tile_config();
       _tile_loadconfig(&config);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
-        dequantize(n0, w_rows, tile);
-        round_to_bf16(tile, w_rows, k, panel);
+        dequantize(n0, w_rows, panel);
         panel_times_x_amx(panel, w_rows, packed_x, m, k, y, n, n0);
       }
       _tile_release();
@@ -180,21 +170,13 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t n, const Dequantize
   }
 #endif
   at::parallel_for(0, panels, 1, [=, &dequantize](int64_t begin, int64_t end) {
-    float* tile = thread_scratch<float>(kPanelRows * k);
     uint16_t* panel = thread_scratch<uint16_t>(kPanelRows * k);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
-      dequantize(n0, w_rows, tile);
-      round_to_bf16(tile, w_rows, k, panel);
+      dequantize(n0, w_rows, panel);
       panel_times_x_dot(panel, w_rows, x, m, k, y + n0, n);
     }
   });
-}
-#else
-bool available() { return false; }
-
-void linear(const uint16_t*, int64_t, int64_t, int64_t, const DequantizeRows&, uint16_t*) {
-  TORCH_CHECK(false, "this build has no native bf16 products (bf16_panel::available() is false)");
 }
 #endif
 

@@ -38,7 +38,8 @@ struct RowGroup {
   // The eight rows of group block `group` dequantized into out + r * stride (row r's Base::kElems floats),
   // exactly as Base::dequantize (and gguf) computes them: a transpose of the four qs vectors gives each
   // row its 16 GGML qs bytes, then the same vector operations as GGML's layout.
-  static void dequantize_group(const uint8_t* group, float* out, int64_t stride) {
+  template <typename Out>
+  static void dequantize_group(const uint8_t* group, Out* out, int64_t stride) {
 #ifdef KVSERVE_QUANT_AVX2
     const __m256i* qs = reinterpret_cast<const __m256i*>(group + kQsOffset);
     const __m256i v0 = _mm256_loadu_si256(qs), v1 = _mm256_loadu_si256(qs + 1);
@@ -65,7 +66,8 @@ struct RowGroup {
  private:
 #ifdef KVSERVE_QUANT_AVX2
   // Row r's values from its 16 GGML-order qs bytes and its scale fields, as Base::dequantize does.
-  static void dequantize_qs(__m128i qs, const uint8_t* group, int64_t r, float* out) {
+  template <typename Out>
+  static void dequantize_qs(__m128i qs, const uint8_t* group, int64_t r, Out* out) {
     const float d = half_to_float(group + 2 * r);
     if constexpr (std::is_same_v<Base, Q4_1>)
       widen32<true>(nibbles32(qs), d, d, half_to_float(group + 2 * kRows + 2 * r), out);
@@ -97,10 +99,10 @@ constexpr int64_t rows_per_stored_row() {
 }
 
 // Weight rows n0 .. n0 + rows - 1 (n0 and rows whole groups in row groups) dequantized into tile
-// (row r at tile + r * k), in either layout.
-template <typename Block>
+// (row r at tile + r * k; float32, or bf16 bits as quant_blocks.h rounds them), in either layout.
+template <typename Block, typename Out>
 inline void dequantize_rows_into(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t rows, int64_t k,
-                                 float* tile) {
+                                 Out* tile) {
   constexpr int64_t kRows = rows_per_stored_row<Block>();
   for (int64_t r = 0; r < rows; r += kRows)
     for (int64_t b = 0; b < k / Block::kElems; ++b) {
