@@ -1,18 +1,22 @@
-"""CPU linear layers: oneDNN's packed bf16 kernel against kvserve's AMX tile kernel (linear_amx), over
-every product of one SmolLM2-135M forward pass (30 layers x qkv, o, gate_up, down, then the LM head: 121
-products, 270 MB of bf16 weights) at several row counts, the way an engine step meets them.
+"""CPU linear layers: oneDNN's packed product against kvserve's tile kernels (linear_amx where the CPU
+has AMX, linear_tiles_fma on AVX-512 or AVX2: the same packed weight on float32 FMAs), over every product
+of one SmolLM2-135M forward pass (30 layers x qkv, o, gate_up, down, then the LM head: 121 products, 270 MB
+of bf16 weights) at several row counts, the way an engine step meets them.
 
 Each timed pass runs all 121 products once. "cold" touches a 640 MB buffer before each pass, so the
 weights stream from memory as they do in a decode step, where the K/V reads of attention push them out
-of cache; "warm" runs passes back to back. The two kernels alternate pass by pass, so a change in the
-machine's speed hits both. Prints median ms per pass and oneDNN / linear_amx; writes JSON.
+of cache; "warm" runs passes back to back. The kernels alternate pass by pass, so a change in the
+machine's speed hits all of them. Prints median ms per pass and oneDNN / each tile kernel; writes JSON.
+--cpu-path holds kvserve's kernels and torch's (oneDNN multiplies in float32 where the path has no bf16
+kernel, as make_linear does) to a lower path, as the CLI's KVSERVE_CPU_ISA does.
 
-    python benchmarks/linear.py [--rows 16 100 256 2048] [--repeats 7] [--out PATH]
+    python benchmarks/linear.py [--rows 16 100 256 2048] [--repeats 7] [--cpu-path avx512] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +25,9 @@ import torch
 
 from kvserve.bench.results import save_results
 from kvserve.kernels import cpu
-from kvserve.model.linear import pack_for_amx
+from kvserve.kernels.cpu import build_config
+from kvserve.kernels.cpu import isa as cpu_isa
+from kvserve.model.linear import _onednn_compute_dtype, pack_tiles
 
 # (out_features, in_features) of one layer's products, SmolLM2-135M: fused qkv, o, fused gate_up, down.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -32,25 +38,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 100, 256, 512, 2048])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--cpu-path", default=None, choices=[isa.name for isa in build_config.executable_isas()])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "linear.json")
     args = parser.parse_args()
+    if args.cpu_path:
+        os.environ[cpu_isa.ENV] = args.cpu_path
+    path = cpu_isa.selected()
+    cpu_isa.cap_torch(path)  # before torch computes anything
     kernels = cpu.load()
-    if kernels is None or not kernels.amx_available():
-        raise SystemExit("linear_amx needs the compiled kernels and a CPU with AMX-BF16")
+    if kernels is None or path.isa.name == "generic":
+        raise SystemExit("the tile kernels need the compiled kernels on a path with AVX2 or above")
     gen = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * NUM_LAYERS + [LM_HEAD]
     weights = [(torch.randn(shape, generator=gen) * 0.02).bfloat16() for shape in shapes]
-    kernel_weights = {
-        "onednn": [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights],  # as make_linear packs
-        "linear_amx": [pack_for_amx(w) for w in weights],
-    }
+    compute = _onednn_compute_dtype(weights[0])
+    assert compute is not None, "oneDNN packs neither bf16 nor float32 weights here"
+    tiles = [pack_tiles(w) for w in weights]
+    kernel_weights = {"onednn": [torch.ops.mkldnn._reorder_linear_weight(w.to(compute), 1) for w in weights]}
     products = {
-        "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-        "linear_amx": kernels.linear_amx,
+        "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x.to(compute), w, None, "none", [], "").bfloat16()
     }
+    tile_kernels = ["linear_amx", "linear_tiles_fma"] if kernels.amx_available() else ["linear_tiles_fma"]
+    for name in tile_kernels:
+        kernel_weights[name] = tiles
+        products[name] = getattr(kernels, name)
     flush = torch.empty(640 * 2**20 // 4)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per pass of {len(shapes)} products")
-    print(f"{'rows':>5} {'cache':>5} {'onednn':>8} {'linear_amx':>11} {'ratio':>6}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {path.describe()}, oneDNN in {compute}")
+    print(f"ms per pass of {len(shapes)} products; ratio: onednn / the tile kernel")
+    tiles_header = " ".join(f"{name:>16} {'ratio':>6}" for name in tile_kernels)
+    print(f"{'rows':>5} {'cache':>5} {'onednn':>8} {tiles_header}")
     rows_out = []
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {s[1] for s in shapes}}
@@ -66,11 +82,11 @@ def main() -> None:
                     if repeat:  # the first pass warms up (oneDNN creates its primitives)
                         times[name].append((time.perf_counter() - start) * 1e3)
             median = {name: statistics.median(t) for name, t in times.items()}
-            ratio = median["onednn"] / median["linear_amx"]
-            rows_out.append({"rows": rows, "cache": cache, "median_ms": median, "onednn_over_amx": ratio})
-            line = f"{rows:>5} {cache:>5} {median['onednn']:>8.1f} {median['linear_amx']:>11.1f} {ratio:>6.2f}"
-            print(line, flush=True)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+            ratios = {name: median["onednn"] / median[name] for name in tile_kernels}
+            rows_out.append({"rows": rows, "cache": cache, "median_ms": median, "onednn_over": ratios})
+            cells = " ".join(f"{median[name]:>16.1f} {ratios[name]:>6.2f}" for name in tile_kernels)
+            print(f"{rows:>5} {cache:>5} {median['onednn']:>8.1f} {cells}", flush=True)
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_path": path.describe()}
     save_results({"env": env, "rows": rows_out}, args.out)
     print(f"wrote {args.out}")
 

@@ -16,7 +16,7 @@ from kvserve.kernels.attention_ref import paged_reference_attention, random_page
 from kvserve.model import linear
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import TorchLayerOps, layer_ops_for
-from kvserve.model.linear import AMX_MAX_ROWS, make_linear, pack_for_amx
+from kvserve.model.linear import AMX_MAX_ROWS, make_linear, pack_tiles
 from kvserve.model.llama import rope_tables
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -300,32 +300,85 @@ def test_gemv_refuses_what_it_cannot_compute(kernels) -> None:
 
 
 needs_amx = pytest.mark.skipif(cpu.load() is None or not cpu.load().amx_available(), reason="linear_amx needs AMX-BF16")
+# The kernels over pack_tiles' layout: linear_amx where the CPU has AMX, linear_tiles_fma on every AVX2 build.
+TILE_KERNELS = [
+    pytest.param("linear_amx", marks=needs_amx),
+    pytest.param(
+        "linear_tiles_fma",
+        marks=pytest.mark.skipif(cpu.choice().isa.isa.name == "generic", reason="linear_tiles_fma needs AVX2 and FMA"),
+    ),
+]
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [3, 16, 17, 32, 33, 100, 256])
+@pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
+@pytest.mark.parametrize("rows", [3, 5, 12, 13, 16, 17, 32, 33, 100, 256])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (64, 32)])
-def test_linear_amx_matches_a_float32_product(kernels, rows, out_features, in_features) -> None:
-    """Row counts around the 16-row tiles and 32-row blocks (the tail block is one tile or two); the
-    float32 product rounded once to bf16, as for the GEMV. A misplaced element in the packed layout
-    would be a wrong product, far outside one bf16 step."""
+def test_tile_kernels_match_a_float32_product(kernels, tile_kernel, rows, out_features, in_features) -> None:
+    """Row counts around linear_amx's 16-row tiles and 32-row blocks and linear_tiles_fma's register
+    blocks (12 rows with AVX-512, 5 with AVX2), with their tails; the float32 product rounded once to
+    bf16, as for the GEMV. A misplaced element in the packed layout would be a wrong product, far outside
+    one bf16 step."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    out = kernels.linear_amx(x, pack_for_amx(weight))
+    out = getattr(kernels, tile_kernel)(x, pack_tiles(weight))
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     assert close(out, F.linear(x.float(), weight.float()), torch.bfloat16)
 
 
-@needs_amx
-def test_linear_amx_refuses_what_it_cannot_compute(kernels) -> None:
-    packed = pack_for_amx(torch.ones(64, 64, dtype=torch.bfloat16))
+@pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
+@pytest.mark.parametrize("rows", [3, 13, 100])
+def test_tile_kernels_gate_in_their_epilogue(kernels, tile_kernel, rows) -> None:
+    """gated: the weight [gate; up] interleaved in 16s gives silu(gate) * up, [rows, N / 2], each value
+    rounded once to bf16 from the float32 products."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(2 * 320, 576, generator=gen) / 24).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = getattr(kernels, tile_kernel)(x, pack_tiles(linear._interleave_halves(weight)), True)
+    assert out.shape == (rows, 320)
+    assert bool(((out.float() - expected).abs() <= 2**-7 * expected.abs() + 1e-4).all())
+
+
+@pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
+def test_tile_kernels_refuse_what_they_cannot_compute(kernels, tile_kernel) -> None:
+    product = getattr(kernels, tile_kernel)
+    packed = pack_tiles(torch.ones(64, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16"):
-        kernels.linear_amx(torch.ones(4, 64), packed)
+        product(torch.ones(4, 64), packed)
     with pytest.raises(RuntimeError, match="columns"):
-        kernels.linear_amx(torch.ones(4, 96, dtype=torch.bfloat16), packed)
+        product(torch.ones(4, 96, dtype=torch.bfloat16), packed)
     with pytest.raises(RuntimeError, match="packed"):
-        kernels.linear_amx(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
+        product(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
+
+
+@pytest.fixture
+def fresh_batched_product():
+    """The process's choice of batched product made again after the test (which forces its own)."""
+    yield
+    linear.batched_product_kernel.cache_clear()
+
+
+@pytest.mark.skipif(
+    cpu.load() is None or cpu.load().amx_available() or cpu.choice().isa.isa.name == "generic",
+    reason="the batched product is chosen only where the kernels have FMA tiles and the CPU no AMX",
+)
+def test_kvserve_batched_product_forces_the_kernel_of_batched_rows(monkeypatch, fresh_batched_product) -> None:
+    """Without AMX, KVSERVE_BATCHED_PRODUCT=fma packs tiles for linear_tiles_fma, onednn leaves the rows
+    to oneDNN (both agree with the float32 product), and any other value is refused, naming the variable."""
+    weight = torch.randn(64, 96).bfloat16()
+    x = torch.randn(7, 96).bfloat16()
+    for setting, tiled in (("fma", True), ("onednn", False)):
+        monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, setting)
+        linear.batched_product_kernel.cache_clear()
+        product = make_linear(weight)
+        assert (product.tiles is not None) == tiled
+        assert close(product(x), F.linear(x.float(), weight.float()), torch.bfloat16)
+    monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, "amx")
+    linear.batched_product_kernel.cache_clear()
+    with pytest.raises(ValueError, match="KVSERVE_BATCHED_PRODUCT"):
+        make_linear(weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -9,6 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import cpu
+from kvserve.model import linear
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
@@ -17,6 +18,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 def llm_bf16() -> LLM:
     if cpu.load() is None:
         pytest.fail("the CPU kernels must build on the machines kvserve is tested on")
+    if linear.gemv_kernels() is None:
+        pytest.skip("this path's kernels have no bf16 GEMV (the generic path): no compiled bf16 step")
     return LLM(dtype="bfloat16", enable_prefix_caching=False)
 
 
@@ -44,11 +47,12 @@ def test_compiled_decode_gives_the_python_loops_tokens(llm_bf16, prompts) -> Non
 BATCH = [*PROMPTS, "Once upon a time", "The three primary colors are", "import numpy as np"]
 
 
-def test_batched_decode_takes_the_compiled_step_where_linear_amx_runs(llm_bf16) -> None:
+def test_batched_decode_takes_the_compiled_step_where_the_tile_kernels_run(llm_bf16) -> None:
     """Five sequences decoding together are five rows: past the GEMV, so the compiled step runs only
-    where every projection has AMX tiles, and then gives the Python loop's tokens."""
+    where every projection has packed tiles (linear_amx, or linear_tiles_fma where the CPU has no AMX and
+    the probe chose it), and then gives the Python loop's tokens."""
     tiled = llm_bf16.engine.model.compiled_decode.tiles is not None
-    assert tiled == cpu.load().amx_available()
+    assert tiled == (linear.batched_product_kernel() in ("amx", "fma"))
     try:
         compiled, ran = generate(llm_bf16, BATCH, compiled=True)
         python, ran_without = generate(llm_bf16, BATCH, compiled=False)
@@ -73,11 +77,15 @@ def test_float32_models_never_take_the_bf16_step(llm_fp32) -> None:
 
 
 def test_speculative_verify_steps_take_the_compiled_step_and_give_the_same_tokens() -> None:
-    """A verify step's rows (a few tokens per sequence) are decode rows of the compiled step; with AMX tiles
-    every step after the prompts' prefill runs it, with the tokens of the Python loop."""
-    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative={"method": "ngram", "num_tokens": 4})
-    if llm.engine.model.compiled_decode.tiles is None:
-        pytest.skip("verify steps of several rows take the compiled step only with AMX tiles")
+    """A verify step's rows (a few tokens per sequence) are decode rows of the compiled step; with packed
+    tiles (linear_amx's or linear_tiles_fma's) every step after the prompts' prefill runs it, with the
+    tokens of the Python loop."""
+    # The planner off: every step drafts, whatever this path's measured costs would make it choose.
+    speculative = {"method": "ngram", "num_tokens": 4, "adaptive": False}
+    llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative=speculative)
+    compiled_step = llm.engine.model.compiled_decode
+    if compiled_step is None or compiled_step.tiles is None:
+        pytest.skip("verify steps of several rows take the compiled step only with packed tiles")
     repetitive = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "the cat sat on the mat, the cat sat on the mat,"]
     steps_before = llm.engine.stats()["steps"]
     llm.engine.runner.compiled_decode = True

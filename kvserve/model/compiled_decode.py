@@ -4,9 +4,10 @@
 It runs the plain Llama layer (no bias, head norms, sandwich norms, other activations or per-layer RoPE
 bases: `torch_path_reasons`), with a sliding window per layer where the model has them. It needs every
 projection to be a bf16 KernelLinear, or every one a QuantizedLinear (any dtype). It takes each layer's
-tensors in the order a step runs them (a quantized one as its blocks, with the block types), and their AMX
-tiles where every projection has them. It then takes up to AMX_MAX_ROWS rows (quant_linear takes any
-number; the one limit keeps the step's cost model), else the GEMV's few.
+tensors in the order a step runs them (a quantized one as its blocks, with the block types), and their
+packed tiles (linear_amx's, or linear_tiles_fma's without AMX) where every projection has them. It then
+takes up to AMX_MAX_ROWS rows (quant_linear takes any number; the one limit keeps the step's cost model),
+else the GEMV's few.
 
 Invariant: the tensors it holds are the model's own (views, no copies), so it reads the same weights and
 gives the Python loop's tokens (tests/test_decode_layers.py).

@@ -7,7 +7,9 @@ runs in float32 on bf16 inputs: the same arithmetic as a bf16 product with float
 values widen exactly), at the float32 kernel's speed, where torch's own bf16 F.linear is several times
 slower than float32. At one or two rows (batch-1 decode) kvserve's own bf16 GEMV (kernels/cpu/gemv.cpp)
 is faster still. From 3 to AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's tile kernel
-(kernels/cpu/linear_amx.cpp) beats oneDNN. Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
+(kernels/cpu/linear_amx.cpp) beats oneDNN; on CPUs without, its float32-FMA kernel over the same packed
+tiles (kernels/cpu/linear_tiles_fma.cpp) does where a probe at load says so (batched_product_kernel).
+Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 Anything else (CUDA, a torch without the op) uses F.linear. `make_linear` builds a plain projection;
 `make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels. Weights kept in
 GGUF blocks (quantized.Quantized) go to the quantized kernels (quantized_linear.py).
@@ -16,6 +18,9 @@ GGUF blocks (quantized.Quantized) go to the quantized kernels (quantized_linear.
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -28,6 +33,8 @@ from kvserve.model.quantized import Quantized, QuantizedTensor, StackedQuantized
 from kvserve.model.quantized_linear import make_quantized_linear
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+logger = logging.getLogger(__name__)
 
 # The most rows linear_amx takes; more go to oneDNN, which is faster from about here on
 # (`python benchmarks/linear.py`). Up to it linear_amx also spares the mixed steps of online traffic
@@ -170,13 +177,72 @@ def make_gated_up(weight: torch.Tensor | Quantized, silu_mul: LinearFn) -> Linea
     return _with_few_row_kernels(weight, _in_compute_dtype(many_rows, compute, weight.dtype), silu_mul)
 
 
+# Where the CPU has no AMX: which kernel multiplies bf16 batches of 3 to AMX_MAX_ROWS rows. "auto" (the
+# default) probes both on this CPU; "fma" and "onednn" force one (tests and benchmarks of each path).
+BATCHED_PRODUCT_ENV = "KVSERVE_BATCHED_PRODUCT"
+BATCHED_PRODUCT_SETTINGS = ("auto", "fma", "onednn")
+# The probe's product: a decode batch through an MLP-sized matrix (SmolLM2's down projection).
+PROBE_ROWS, PROBE_OUT, PROBE_IN = 64, 576, 1536
+
+
+def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2] * 1e3
+
+
+@functools.cache
+def batched_product_kernel() -> str:
+    """Which kernel multiplies bf16 batches of 3 to AMX_MAX_ROWS rows on this CPU: "amx" (linear_amx),
+    "fma" (linear_tiles_fma over the same packed tiles) or "onednn" (its packed bf16 kernel, or float32
+    where it has no bf16 one). Without AMX the faster of fma and onednn on a probe product, timed once per
+    process (a few milliseconds), unless KVSERVE_BATCHED_PRODUCT forces one: which wins depends on the
+    CPU's bf16 dot-product rate against its float32 FMA rate (benchmarks/RESULTS.md, "FMA tiles")."""
+    kernels = gemv_kernels()
+    if kernels is None:
+        return "onednn"
+    if kernels.amx_available():
+        return "amx"
+    setting = os.environ.get(BATCHED_PRODUCT_ENV, "auto")
+    if setting not in BATCHED_PRODUCT_SETTINGS:
+        raise ValueError(f"{BATCHED_PRODUCT_ENV}={setting!r}: expected one of {', '.join(BATCHED_PRODUCT_SETTINGS)}")
+    compute = _onednn_compute_dtype(torch.empty(0, dtype=torch.bfloat16))
+    if setting != "auto" or compute is None:
+        return "fma" if setting == "auto" else setting
+    weight = torch.randn(PROBE_OUT, PROBE_IN).to(torch.bfloat16)
+    x = torch.randn(PROBE_ROWS, PROBE_IN).to(torch.bfloat16)
+    tiles, packed = pack_tiles(weight), _onednn_pack(weight, compute, PACKING_ROWS_HINT[compute])
+    onednn = _in_compute_dtype(
+        lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), compute, torch.bfloat16
+    )
+    fma_ms = _median_ms(lambda: kernels.linear_tiles_fma(x, tiles))
+    onednn_ms = _median_ms(lambda: onednn(x))
+    choice = "fma" if fma_ms < onednn_ms else "onednn"
+    logger.info(
+        "batched bf16 products on %s: %d x %d x %d took %.3f ms on FMA tiles, %.3f ms on oneDNN (%s)",
+        choice,
+        PROBE_ROWS,
+        PROBE_OUT,
+        PROBE_IN,
+        fma_ms,
+        onednn_ms,
+        compute,
+    )
+    return choice
+
+
 @dataclass(frozen=True)
 class KernelLinear:
     """A bf16 linear on kvserve's own kernels where they take the rows: up to GEMV_MAX_ROWS the GEMV,
-    then up to AMX_MAX_ROWS linear_amx where the CPU has AMX (`tiles` set), `many_rows` beyond. With
-    `silu_mul` (weight = [gate; up]) the result is silu(gate) * up: the GEMV's product goes through
-    silu_mul, linear_amx gates in its epilogue (`tiles` then hold the halves interleaved). The compiled
-    decode step (kernels/cpu/decode_layers.cpp) makes the same choice from `weight` and `tiles`."""
+    then up to AMX_MAX_ROWS the packed `tiles` where they are set (linear_amx on AMX, else
+    linear_tiles_fma: batched_product_kernel), `many_rows` beyond. With `silu_mul` (weight = [gate; up])
+    the result is silu(gate) * up: the GEMV's product goes through silu_mul, the tile kernels gate in
+    their epilogue (`tiles` then hold the halves interleaved). The compiled decode step
+    (kernels/cpu/decode_layers.cpp) makes the same choice from `weight` and `tiles`."""
 
     kernels: ModuleType
     weight: torch.Tensor
@@ -190,8 +256,14 @@ class KernelLinear:
             y = self.kernels.gemv_bf16(x, self.weight)
             return y if self.silu_mul is None else self.silu_mul(y)
         if self.tiles is not None and rows <= AMX_MAX_ROWS:
-            return self.kernels.linear_amx(x.contiguous(), self.tiles, self.silu_mul is not None)
+            tile_product = self.kernels.linear_amx if self.amx else self.kernels.linear_tiles_fma
+            return tile_product(x.contiguous(), self.tiles, self.silu_mul is not None)
         return self.many_rows(x)
+
+    @property
+    def amx(self) -> bool:
+        """Whether the tiles run on linear_amx (whose cost goes by blocks of AMX_ROW_BLOCK rows)."""
+        return self.tiles is not None and self.kernels.amx_available()
 
 
 def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, silu_mul: LinearFn | None = None) -> LinearFn:
@@ -200,8 +272,8 @@ def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, silu_mul: L
     if kernels is None or weight.dtype != torch.bfloat16:
         return many_rows
     n, k = weight.shape
-    amx = kernels.amx_available() and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
-    tiles = pack_for_amx(_interleave_halves(weight) if silu_mul is not None else weight) if amx else None
+    tiled = batched_product_kernel() in ("amx", "fma") and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
+    tiles = pack_tiles(_interleave_halves(weight) if silu_mul is not None else weight) if tiled else None
     return KernelLinear(kernels, weight, tiles, many_rows, silu_mul)
 
 
@@ -212,9 +284,10 @@ def _interleave_halves(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(2, n // AMX_ALIGN, AMX_ALIGN // 2, k).transpose(0, 1).reshape(n, k)
 
 
-def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] as linear_amx's B tiles: [N/16, K/32, 512], tile (j, s) holding columns 16j.. and k
-    steps 32s.. with element (n, k) at (k // 2) * 32 + n * 2 + k % 2 (k-pairs of one column adjacent)."""
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as linear_amx's B tiles (which linear_tiles_fma reads too): [N/16, K/32, 512], tile (j, s)
+    holding columns 16j.. and k steps 32s.. with element (n, k) at (k // 2) * 32 + n * 2 + k % 2 (k-pairs
+    of one column adjacent)."""
     n, k = weight.shape
     # reshape copies (the permuted view is not viewable as 3-D): an owned tensor, no base to keep alive.
     return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)

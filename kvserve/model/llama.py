@@ -93,7 +93,7 @@ class LlamaModel:
         # Where every product, the LM head's too, runs on linear_amx, a step of 3 to AMX_MAX_ROWS rows pays
         # for its rows in whole blocks of AMX_ROW_BLOCK (the scheduler's row_block).
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
-        self.tiled = all(isinstance(p, KernelLinear) and p.tiles is not None for p in products)
+        self.tiled = all(isinstance(p, KernelLinear) and p.amx for p in products)
         self.q_size = config.num_heads * config.head_dim
 
     def row_block(self, max_rows: int) -> int | None:
@@ -115,8 +115,8 @@ class LlamaModel:
 
     def _stream_from_huge_pages(self) -> None:
         """The projection weights (what the GEMV reads: dense ones in one buffer, GGUF blocks in another)
-        and their AMX tiles (what linear_amx reads), each in one buffer on huge pages, in the order a
-        decode step streams them (huge_pages.py)."""
+        and their packed tiles (what linear_amx or linear_tiles_fma reads), each in one buffer on huge pages,
+        in the order a decode step streams them (huge_pages.py)."""
         streamed = [w for layer in self.weights.layers for w in projection_weights(layer)] + [self.weights.lm_head]
         move_into_one_buffer(w for w in streamed if isinstance(w, torch.Tensor))
         move_into_one_buffer(part.blocks for w in streamed for part in block_parts(w))

@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
   m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
+  m.def("linear_tiles_fma", &linear_tiles_fma, "linear_amx's product on float32 FMAs (AVX-512 or AVX2), same packed W",
+        py::arg("x"), py::arg("packed"), py::arg("gated") = false);
   m.def("dequantize_rows", &dequantize_rows, "GGUF block rows (uint8 [N, row_bytes]) of a GGML type -> float32 [N, K]");
   m.def("quant_gemv", &quant_gemv, "x @ W.T, W in GGUF blocks (1-2 rows) or row groups; x quantized per 32 to int8");
   m.def("quant_linear", &quant_linear, "x @ W.T for any rows, W in GGUF blocks dequantized panel by panel");

@@ -7,8 +7,9 @@
 // only where every linear is a bf16 KernelLinear (kvserve/model/linear.py) or every linear a
 // QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel: bf16 up
 // to kGemvMaxRows rows on the GEMV, more (batched decode, up to linear.py's AMX_MAX_ROWS, which the
-// caller checks) on linear_amx; blocks on quant_product, as QuantizedLinear.
-#include "common.h"
+// caller checks) on the packed tiles (linear_amx, or linear_tiles_fma without AMX); blocks on
+// quant_product, as QuantizedLinear.
+#include "amx.h"
 #include "ops.h"
 
 namespace kvserve {
@@ -16,7 +17,8 @@ namespace {
 
 // x @ W^T as KernelLinear / QuantizedLinear compute it: W in blocks of `block_type` (>= 0) on
 // quant_product; a bf16 W on the GEMV up to kGemvMaxRows rows,
-// then linear_amx on the packed `tiles`. `gated` (W = [gate; up]): silu(gate) * up.
+// then the packed `tiles` on linear_amx, or on linear_tiles_fma where the CPU has no AMX. `gated` (W = [gate;
+// up]): silu(gate) * up.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* tiles, int64_t block_type,
                    bool gated) {
   at::Tensor y;
@@ -25,8 +27,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   } else if (x.size(0) <= kGemvMaxRows) {
     y = gemv_bf16(x, weight);
   } else {
-    TORCH_CHECK(tiles != nullptr, "decode_layers takes more than ", kGemvMaxRows, " bf16 rows only with AMX tiles");
-    return linear_amx(x.contiguous(), *tiles, gated);
+    TORCH_CHECK(tiles != nullptr, "decode_layers takes more than ", kGemvMaxRows, " bf16 rows only with packed tiles");
+    return amx_permitted() ? linear_amx(x.contiguous(), *tiles, gated) : linear_tiles_fma(x, *tiles, gated);
   }
   return gated ? silu_mul(y) : y;
 }

@@ -98,7 +98,7 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x and packed must be bf16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) % 2 == 0 && packed.size(2) == kTileElems,
-              "packed must be [N/16 (even), K/32, 512] (pack_for_amx's layout)");
+              "packed must be [N/16 (even), K/32, 512] (pack_tiles' layout)");
   const int64_t rows = x.size(0), k = x.size(1), k_steps = packed.size(1), n = packed.size(0) * kCols;
   TORCH_CHECK(k == k_steps * kDepth, "x has ", k, " columns, the packed weight ", k_steps * kDepth);
   auto y = at::empty({rows, gated ? n / 2 : n}, x.options());

@@ -27,8 +27,10 @@ bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window);
 // no longer the only cost; figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
-// x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_for_amx; bf16 in and out.
+// x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_tiles; bf16 in and out.
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
+// The same product on float32 FMAs (AVX-512 or AVX2), the same packed weight: CPUs without AMX.
+at::Tensor linear_tiles_fma(at::Tensor x, at::Tensor packed, bool gated);
 // Quantized weights: `blocks` uint8 [N, row_bytes] of GGML block type `type` (quant_blocks.h).
 // The rows dequantized to float32 [N, K], exactly as gguf.quants.dequantize computes them.
 at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
@@ -36,7 +38,8 @@ at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
 // quant_row_groups.h), x quantized per 32 elements to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
 at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
 // x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
-// multiplied; y in x's dtype. bf16 x on a path with native bf16 products meets the panel rounded to bf16.
+// multiplied; y in x's dtype. bf16 x on a path with native bf16 products meets the panel dequantized
+// straight into bf16 (each value rounded to nearest even).
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, else
 // quant_linear. More rows stay exact: int8 activations there too would be faster, but move the engine's
