@@ -139,6 +139,7 @@ def make_linear(weight: torch.Tensor | Quantized, large_rows: bool = True) -> Li
     """A function computing F.linear(x, weight) (no bias), as fast as this device allows; `large_rows`:
     it may be given more than LARGE_ROWS rows (see _packed_for_rows)."""
     if isinstance(weight, QuantizedTensor | StackedQuantizedTensor):
+        batched_product_kernel()  # sets the quantized products' choice too
         return make_quantized_linear(weight)
     compute = _onednn_compute_dtype(weight)
     if compute is None:
@@ -160,6 +161,7 @@ def make_gated_up(weight: torch.Tensor | Quantized, silu_mul: LinearFn) -> Linea
     with a silu and a multiply epilogue (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
     The GEMV (1-2 rows) stays a product and a silu_mul."""
     if isinstance(weight, QuantizedTensor | StackedQuantizedTensor):
+        batched_product_kernel()  # sets the quantized products' choice too
         return make_quantized_linear(weight, silu_mul)
     compute = _onednn_compute_dtype(weight)
     if compute is None:
@@ -201,12 +203,19 @@ def batched_product_kernel() -> str:
     "fma" (linear_tiles_fma over the same packed tiles) or "onednn" (its packed bf16 kernel, or float32
     where it has no bf16 one). Without AMX the faster of fma and onednn on a probe product, timed once per
     process (a few milliseconds), unless KVSERVE_BATCHED_PRODUCT forces one: which wins depends on the
-    CPU's bf16 dot-product rate against its float32 FMA rate (benchmarks/RESULTS.md, "FMA tiles")."""
+    CPU's bf16 dot-product rate against its float32 FMA rate (benchmarks/RESULTS.md, "FMA tiles"). The
+    quantized products of bf16 rows follow the same choice (set_fma_products)."""
     kernels = gemv_kernels()
     if kernels is None:
         return "onednn"
     if kernels.amx_available():
         return "amx"
+    choice = _choose_without_amx(kernels)
+    kernels.set_fma_products(choice == "fma")
+    return choice
+
+
+def _choose_without_amx(kernels: ModuleType) -> str:
     setting = os.environ.get(BATCHED_PRODUCT_ENV, "auto")
     if setting not in BATCHED_PRODUCT_SETTINGS:
         raise ValueError(f"{BATCHED_PRODUCT_ENV}={setting!r}: expected one of {', '.join(BATCHED_PRODUCT_SETTINGS)}")

@@ -41,6 +41,9 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
 // multiplied; y in x's dtype. bf16 x on a path with native bf16 products meets the panel dequantized
 // straight into bf16 (each value rounded to nearest even).
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
+// Whether quant_linear multiplies bf16 x on float32 FMAs on AVX-512 without AMX (off until set: the
+// process's probe, kvserve/model/linear.py, sets it with its choice); returns the previous setting.
+bool set_fma_products(bool enabled);
 // x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, else
 // quant_linear. More rows stay exact: int8 activations there too would be faster, but move the engine's
 // greedy tokens off the dequantized engine's (benchmarks/RESULTS.md, "Row groups").

@@ -5,18 +5,28 @@
 // own (kPanelRows x K floats, sized to stay in L2), exactly as gguf.quants.dequantize would, then
 // multiplies every row of x with it. So the weights are read once per call at their quantized size and
 // the products see the same float32 values as dequantize-then-matmul: the results differ from that
-// reference only in the order of the float32 sums. Except for bf16 x where the path multiplies bf16
-// natively (AMX, AVX512-BF16): there the panel is dequantized into bf16 and multiplied on those instructions
-// (quant_linear_bf16.cpp), so the results are the dense bf16 engine's, up to the order of the sums.
+// reference only in the order of the float32 sums. bf16 x takes one of three products:
+// - with AMX, or with AVX512-BF16 where FMA products are off (set_fma_products): the panel is dequantized
+//   into bf16 and multiplied on those instructions (quant_linear_bf16.cpp), so the results are the dense
+//   bf16 engine's, up to the order of the sums;
+// - on AVX-512 without AMX where FMA products are on (the process's probe found them faster:
+//   kvserve/model/linear.py): x is packed once per call in pack_tiles' layout and each float32 panel
+//   multiplies it in register blocks of tiles_fma.h (panel rows as the broadcast operand, rows of x as the
+//   packed one), so the results are dequantize-then-matmul's, up to the order of the sums. Not on AVX2:
+//   there its 5-row blocks lost to the micro-kernel below (benchmarks/RESULTS.md, "FMA tiles");
+// - otherwise the float32 micro-kernel below, on x widened to float32.
 //
 // Micro-kernel (AVX2 + FMA): kXRows rows of x times kWRows rows of the tile in dot-product form, eight
 // k at a time: the kXRows x vectors stay in registers, each tile vector is loaded once for kXRows
 // multiply-adds, and the kXRows x kWRows float32 accumulators are summed across lanes at the end:
 // 12 accumulators + 3 x + 1 tile vector fill AVX2's 16 registers.
-#include "common.h"
+#include <atomic>
+
+#include "amx.h"
 #include "ops.h"
 #include "quant_linear_bf16.h"
 #include "quant_row_groups.h"
+#include "tiles_fma.h"
 
 namespace kvserve {
 namespace {
@@ -64,7 +74,53 @@ void rows_times_tile(const float* x, const float* tile, int64_t w_rows, int64_t 
   for (; j < w_rows; ++j) micro_kernel<XR, 1>(x, tile + j * k, k, y + j, y_stride);
 }
 
+// Whether bf16 x without AMX takes packed_x_times_panels (set_fma_products).
+std::atomic<bool> fma_products{false};
+
+#if defined(__AVX512F__)
+// y [m, n] = x [m, k] @ W^T for bf16 x, W's rows from `blocks`: x packed as pack_tiles packs a weight
+// (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized float32 rows,
+// register blocks of tiles_fma::kRows panel rows times 32 rows of x, stored transposed into y.
+template <typename Block>
+at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k) {
+  using namespace tiles_fma;
+  const int64_t rows = x.size(0), padded = (rows + 31) / 32 * 32;
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0) return y;
+  const at::Tensor packed = at::constant_pad_nd(x.contiguous(), {0, 0, 0, padded - rows})
+                                .view({padded / 16, 16, k / 32, 16, 2})
+                                .permute({0, 2, 3, 1, 4})
+                                .contiguous();
+  const uint16_t* xs = raw<c10::BFloat16>(packed);
+  uint16_t* ys = raw<c10::BFloat16>(y);
+  const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
+  at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
+    float* tile = thread_scratch<float>(kPanelRows * k);
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
+      quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
+      for (int64_t r0 = 0; r0 < w_rows; r0 += kRows) {
+        with_rows(static_cast<int>(std::min<int64_t>(kRows, w_rows - r0)), [&](auto block_rows) {
+          constexpr int R = decltype(block_rows)::value;
+          for (int64_t pair = 0; pair < padded / 32; ++pair) {
+            alignas(64) float c[R][2 * kBlockCols];
+            accumulate<R>(tile + r0 * k, k, xs, pair, c);
+            const int64_t valid = std::min<int64_t>(2 * kBlockCols, rows - pair * 2 * kBlockCols);
+            for (int64_t j = 0; j < valid; ++j)
+              for (int r = 0; r < R; ++r)
+                ys[(pair * 2 * kBlockCols + j) * n + n0 + r0 + r] = from_float<uint16_t>(c[r][j]);
+          }
+        });
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 }  // namespace
+
+bool set_fma_products(bool enabled) { return fma_products.exchange(enabled); }
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
   RECORD_FUNCTION("kvserve::quant_linear", {});  // named in torch profiler traces
@@ -76,6 +132,10 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
     const uint8_t* w = blocks.data_ptr<uint8_t>();
     const int64_t row_bytes = blocks.size(1);
+#if defined(__AVX512F__)
+    if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && fma_products.load())
+      return packed_x_times_panels<Block>(x, w, row_bytes, n, k);
+#endif
     if constexpr (bf16_panel::kAvailable) {
       if (x.scalar_type() == at::kBFloat16) {
         // Native bf16 products: the weights meet x rounded to bf16, as the dense bf16 engine's do.

@@ -1,0 +1,85 @@
+// The float32-FMA tile product's register block, shared by linear_tiles_fma.cpp (rows of x times a
+// packed weight) and quant_linear.cpp (rows of a dequantized weight panel times packed x).
+//
+// Operands: `a`, R rows of float32 (row stride k), and a bf16 matrix B packed in pack_tiles' layout
+// (kvserve/model/linear.py): for each 16-column block, the key pairs in order, each pair 16 columns x 2
+// bf16 (element (n, k) at (k / 2) * 32 + n * 2 + k % 2 within the block). A 32-bit lane holds B[n, k] (k
+// even) in bits 0-15 and B[n, k + 1] in bits 16-31, so a shift left by 16 gives B[n, k] as float32 and a
+// mask of the high half B[n, k + 1] (bf16 widens to float32 exactly).
+//
+// Register blocking: R rows of `a` times 32 columns (two 16-column blocks) in float32 accumulators for
+// the whole of k; each widened vector of B feeds R FMAs, each broadcast value of `a` one per vector of
+// the pass's columns. The products are exact and summed in float32 in key order.
+#pragma once
+
+#include "common.h"
+
+namespace kvserve::tiles_fma {
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kBlockCols = 16;                 // columns per packed block
+constexpr int64_t kPairElems = 2 * kBlockCols;     // bf16 elements per key pair of one block
+constexpr int kLanes = sizeof(WideLanes) / 4;      // float32 lanes per vector
+constexpr int kVectors = 2 * kBlockCols / kLanes;  // vectors per 32 columns
+constexpr int kVectorsPerBlock = kBlockCols / kLanes;
+// Vectors of columns accumulated together in one pass over k: all 32 columns with 512-bit vectors, 16
+// per pass (two passes) with 256-bit ones.
+constexpr int kPassVectors = 2, kPasses = kVectors / kPassVectors;
+// Rows per register block: the accumulators (kRows * kPassVectors), the widened B vectors (2 *
+// kPassVectors) and one row's two broadcasts fill the register file (32 zmm, 16 ymm) without spilling.
+constexpr int kRows = kLanes == 16 ? 12 : 5;
+
+// B[n, k] and B[n, k + 1] as float32 for the kLanes columns whose key pairs start at p.
+inline void widen_pairs(const uint16_t* p, WideLanes& even, WideLanes& odd) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#else
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#endif
+}
+
+// c[r][j] = sum over k of a[r * k + e] * B[32 * pair + j, e], for r < R and the 32 columns j of B's
+// column blocks 2 * pair and 2 * pair + 1 (k even).
+template <int R>
+void accumulate(const float* a, int64_t k, const uint16_t* packed, int64_t pair, float (*c)[2 * kBlockCols]) {
+  const uint16_t* blocks[2] = {packed + 2 * pair * k * kBlockCols, packed + (2 * pair + 1) * k * kBlockCols};
+  for (int pass = 0; pass < kPasses; ++pass) {
+    WideLanes acc[R][kPassVectors];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kPassVectors; ++v) acc[r][v] = splat<WideLanes>(0.f);
+    for (int64_t pair_k = 0; pair_k < k / 2; ++pair_k) {
+      WideLanes even[kPassVectors], odd[kPassVectors];
+      for (int v = 0; v < kPassVectors; ++v) {
+        const int column_vector = pass * kPassVectors + v;
+        const uint16_t* block = blocks[column_vector / kVectorsPerBlock];
+        widen_pairs(block + pair_k * kPairElems + (column_vector % kVectorsPerBlock) * 2 * kLanes, even[v], odd[v]);
+      }
+      // Row by row, so that only one row's two broadcasts are live beside the accumulators.
+      for (int r = 0; r < R; ++r) {
+        const WideLanes a_even = splat<WideLanes>(a[r * k + 2 * pair_k]);
+        const WideLanes a_odd = splat<WideLanes>(a[r * k + 2 * pair_k + 1]);
+        for (int v = 0; v < kPassVectors; ++v)
+          acc[r][v] = lanes_fma(a_odd, odd[v], lanes_fma(a_even, even[v], acc[r][v]));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kPassVectors; ++v) lanes_store(&c[r][(pass * kPassVectors + v) * kLanes], acc[r][v]);
+  }
+}
+
+// fn(std::integral_constant<int, rows>{}) for 1 <= rows <= kRows: a register block's row count as a
+// compile-time constant, for the last block of fewer than kRows rows.
+template <int R = kRows, typename Fn>
+void with_rows(int rows, Fn&& fn) {
+  if constexpr (R > 0) {
+    if (rows == R) return fn(std::integral_constant<int, R>{});
+    with_rows<R - 1>(rows, fn);
+  }
+}
+#endif
+
+}  // namespace kvserve::tiles_fma
