@@ -358,6 +358,7 @@ def fresh_batched_product():
     """The process's choice of batched product made again after the test (which forces its own)."""
     yield
     linear.batched_product_kernel.cache_clear()
+    linear.long_chunks_on_fma.cache_clear()
 
 
 @pytest.mark.skipif(
@@ -365,16 +366,20 @@ def fresh_batched_product():
     reason="the batched product is chosen only where the kernels have FMA tiles and the CPU no AMX",
 )
 def test_kvserve_batched_product_forces_the_kernel_of_batched_rows(monkeypatch, fresh_batched_product) -> None:
-    """Without AMX, KVSERVE_BATCHED_PRODUCT=fma packs tiles for linear_tiles_fma, onednn leaves the rows
-    to oneDNN (both agree with the float32 product), and any other value is refused, naming the variable."""
+    """Without AMX, KVSERVE_BATCHED_PRODUCT=fma packs tiles for linear_tiles_fma and gives them prefill
+    chunks past AMX_MAX_ROWS too, onednn leaves the rows to oneDNN (both agree with the float32 product),
+    and any other value is refused, naming the variable."""
     weight = torch.randn(64, 96).bfloat16()
-    x = torch.randn(7, 96).bfloat16()
     for setting, tiled in (("fma", True), ("onednn", False)):
         monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, setting)
         linear.batched_product_kernel.cache_clear()
+        linear.long_chunks_on_fma.cache_clear()
         product = make_linear(weight)
         assert (product.tiles is not None) == tiled
-        assert close(product(x), F.linear(x.float(), weight.float()), torch.bfloat16)
+        assert (product.tiles_max_rows is None) == tiled
+        for rows in (7, AMX_MAX_ROWS + 88):
+            x = torch.randn(rows, 96).bfloat16()
+            assert close(product(x), F.linear(x.float(), weight.float()), torch.bfloat16)
     monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, "amx")
     linear.batched_product_kernel.cache_clear()
     with pytest.raises(ValueError, match="KVSERVE_BATCHED_PRODUCT"):

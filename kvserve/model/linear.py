@@ -183,8 +183,10 @@ def make_gated_up(weight: torch.Tensor | Quantized, silu_mul: LinearFn) -> Linea
 # default) probes both on this CPU; "fma" and "onednn" force one (tests and benchmarks of each path).
 BATCHED_PRODUCT_ENV = "KVSERVE_BATCHED_PRODUCT"
 BATCHED_PRODUCT_SETTINGS = ("auto", "fma", "onednn")
-# The probe's product: a decode batch through an MLP-sized matrix (SmolLM2's down projection).
+# The probe's product: a decode batch through an MLP-sized matrix (SmolLM2's down projection); the
+# second probe's: a long prefill chunk through a smaller matrix, to keep that probe short.
 PROBE_ROWS, PROBE_OUT, PROBE_IN = 64, 576, 1536
+PROBE_LONG_ROWS, PROBE_LONG_SIZE = 1024, 512
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
@@ -219,36 +221,56 @@ def _choose_without_amx(kernels: ModuleType) -> str:
     setting = os.environ.get(BATCHED_PRODUCT_ENV, "auto")
     if setting not in BATCHED_PRODUCT_SETTINGS:
         raise ValueError(f"{BATCHED_PRODUCT_ENV}={setting!r}: expected one of {', '.join(BATCHED_PRODUCT_SETTINGS)}")
+    if setting != "auto":
+        return setting
+    return "fma" if _fma_wins(kernels, PROBE_ROWS, PROBE_OUT, PROBE_IN) else "onednn"
+
+
+@functools.cache
+def long_chunks_on_fma() -> bool:
+    """Whether products of more than AMX_MAX_ROWS rows (long prefill chunks) take the FMA tiles too:
+    where they took the batches and a second probe, at PROBE_LONG_ROWS rows, finds them faster than
+    oneDNN there as well (KVSERVE_BATCHED_PRODUCT=fma forces it)."""
+    kernels = gemv_kernels()
+    if kernels is None or batched_product_kernel() != "fma":
+        return False
+    if os.environ.get(BATCHED_PRODUCT_ENV, "auto") == "fma":
+        return True
+    return _fma_wins(kernels, PROBE_LONG_ROWS, PROBE_LONG_SIZE, PROBE_LONG_SIZE)
+
+
+def _fma_wins(kernels: ModuleType, rows: int, n: int, k: int) -> bool:
+    """Whether linear_tiles_fma multiplies `rows` random bf16 rows by an [n, k] weight faster than oneDNN's
+    packed product as make_linear runs it (in float32 where oneDNN has no bf16 kernel)."""
     compute = _onednn_compute_dtype(torch.empty(0, dtype=torch.bfloat16))
-    if setting != "auto" or compute is None:
-        return "fma" if setting == "auto" else setting
-    weight = torch.randn(PROBE_OUT, PROBE_IN).to(torch.bfloat16)
-    x = torch.randn(PROBE_ROWS, PROBE_IN).to(torch.bfloat16)
+    if compute is None:
+        return True
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
     tiles, packed = pack_tiles(weight), _onednn_pack(weight, compute, PACKING_ROWS_HINT[compute])
     onednn = _in_compute_dtype(
         lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), compute, torch.bfloat16
     )
     fma_ms = _median_ms(lambda: kernels.linear_tiles_fma(x, tiles))
     onednn_ms = _median_ms(lambda: onednn(x))
-    choice = "fma" if fma_ms < onednn_ms else "onednn"
     logger.info(
-        "batched bf16 products on %s: %d x %d x %d took %.3f ms on FMA tiles, %.3f ms on oneDNN (%s)",
-        choice,
-        PROBE_ROWS,
-        PROBE_OUT,
-        PROBE_IN,
+        "bf16 products of %d x %d x %d: %.3f ms on FMA tiles, %.3f ms on oneDNN (%s)",
+        rows,
+        n,
+        k,
         fma_ms,
         onednn_ms,
         compute,
     )
-    return choice
+    return fma_ms < onednn_ms
 
 
 @dataclass(frozen=True)
 class KernelLinear:
     """A bf16 linear on kvserve's own kernels where they take the rows: up to GEMV_MAX_ROWS the GEMV,
-    then up to AMX_MAX_ROWS the packed `tiles` where they are set (linear_amx on AMX, else
-    linear_tiles_fma: batched_product_kernel), `many_rows` beyond. With `silu_mul` (weight = [gate; up])
+    then the packed `tiles` where they are set (linear_amx on AMX, else linear_tiles_fma:
+    batched_product_kernel) up to AMX_MAX_ROWS, or any number where the FMA tiles take long chunks too
+    (long_chunks_on_fma), `many_rows` beyond. With `silu_mul` (weight = [gate; up])
     the result is silu(gate) * up: the GEMV's product goes through silu_mul, the tile kernels gate in
     their epilogue (`tiles` then hold the halves interleaved). The compiled decode step
     (kernels/cpu/decode_layers.cpp) makes the same choice from `weight` and `tiles`."""
@@ -256,6 +278,7 @@ class KernelLinear:
     kernels: ModuleType
     weight: torch.Tensor
     tiles: torch.Tensor | None
+    tiles_max_rows: int | None  # the most rows the tiles take (None: any number)
     many_rows: LinearFn
     silu_mul: LinearFn | None
 
@@ -264,7 +287,7 @@ class KernelLinear:
         if rows <= self.kernels.GEMV_MAX_ROWS:
             y = self.kernels.gemv_bf16(x, self.weight)
             return y if self.silu_mul is None else self.silu_mul(y)
-        if self.tiles is not None and rows <= AMX_MAX_ROWS:
+        if self.tiles is not None and (self.tiles_max_rows is None or rows <= self.tiles_max_rows):
             tile_product = self.kernels.linear_amx if self.amx else self.kernels.linear_tiles_fma
             return tile_product(x.contiguous(), self.tiles, self.silu_mul is not None)
         return self.many_rows(x)
@@ -283,7 +306,8 @@ def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, silu_mul: L
     n, k = weight.shape
     tiled = batched_product_kernel() in ("amx", "fma") and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
     tiles = pack_tiles(_interleave_halves(weight) if silu_mul is not None else weight) if tiled else None
-    return KernelLinear(kernels, weight, tiles, many_rows, silu_mul)
+    max_rows = None if long_chunks_on_fma() else AMX_MAX_ROWS
+    return KernelLinear(kernels, weight, tiles, max_rows, many_rows, silu_mul)
 
 
 def _interleave_halves(weight: torch.Tensor) -> torch.Tensor:
