@@ -14,13 +14,13 @@ import argparse
 import functools
 import json
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from kvserve.bench.timing import call_times_ms
 from kvserve.kernels import cpu
 from kvserve.kernels.attention_ref import random_paged_inputs
 from kvserve.kernels.backends import get_attention_backend
@@ -94,13 +94,8 @@ def cases(quick: bool) -> list[Case]:
 
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     """(median, min) milliseconds; the min is the better estimate on a machine shared with other work."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, min(times) * 1e3
+    times = call_times_ms(fn, repeats)
+    return statistics.median(times), min(times)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from kvserve.bench.timing import call_times_ms
 from kvserve.kernels import cpu
 from kvserve.model.quantized import Quantized, QuantizedTensor, StackedQuantizedTensor
 from kvserve.model.quantized_linear import make_quantized_linear
@@ -187,16 +188,7 @@ BATCHED_PRODUCT_SETTINGS = ("auto", "fma", "onednn")
 # second probe's: a long prefill chunk through a smaller matrix, to keep that probe short.
 PROBE_ROWS, PROBE_OUT, PROBE_IN = 64, 576, 1536
 PROBE_LONG_ROWS, PROBE_LONG_SIZE = 1024, 512
-
-
-def _median_ms(fn: Callable[[], object], repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2] * 1e3
+PROBE_REPEATS = 7  # timed calls of each kernel per probe (the median decides)
 
 
 @functools.cache
@@ -251,8 +243,8 @@ def _fma_wins(kernels: ModuleType, rows: int, n: int, k: int) -> bool:
     onednn = _in_compute_dtype(
         lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), compute, torch.bfloat16
     )
-    fma_ms = _median_ms(lambda: kernels.linear_tiles_fma(x, tiles))
-    onednn_ms = _median_ms(lambda: onednn(x))
+    fma_ms = statistics.median(call_times_ms(lambda: kernels.linear_tiles_fma(x, tiles), PROBE_REPEATS))
+    onednn_ms = statistics.median(call_times_ms(lambda: onednn(x), PROBE_REPEATS))
     logger.info(
         "bf16 products of %d x %d x %d: %.3f ms on FMA tiles, %.3f ms on oneDNN (%s)",
         rows,
