@@ -1,9 +1,15 @@
 """GPU check of the Triton kernels: relative error against the float64 oracle, and time against torch
-SDPA (one padded call per batch, the strongest plain-torch baseline). Run via gpu_attention_check.sh."""
+SDPA (one padded call per batch, the strongest plain-torch baseline). Run via gpu_attention_check.sh.
+
+--sweep: every launch shape of kvserve.kernels.triton.launch's sweeps on every case, each checked against the
+oracle, then per kernel and dtype the geometric-mean time of each shape over its cases (the defaults in
+launch.py are the winners)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -12,6 +18,7 @@ import torch.nn.functional as F
 from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.kernels.triton import triton_decode_attention, triton_prefill_attention
+from kvserve.kernels.triton.launch import DECODE_SWEEP, PREFILL_SWEEP, LaunchConfig
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B-like attention, so the GPU has real work
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -51,10 +58,15 @@ def sdpa_padded(dtype: torch.dtype, qlens: list[int], slens: list[int]) -> Calla
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sweep", action="store_true", help="time every launch shape of the sweeps in launch.py")
+    sweep = parser.parse_args().sweep
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'case':<32} {'dtype':<9} {'kernel':<8} {'rel err':>9} {'ok':>3} {'ms':>8} {'sdpa ms':>8}")
+    print(f"{'case':<32} {'dtype':<9} {'kernel':<8} {'shape':<16} {'rel err':>9} {'ok':>3} {'ms':>8} {'sdpa ms':>8}")
     failures = 0
+    times: dict[tuple[str, str, str], list[float]] = {}  # (kernel, dtype, shape) -> ms per case
     for dtype in (torch.float32, torch.bfloat16):
+        label = str(dtype).removeprefix("torch.")
         for name, qlens, slens in CASES:
             q, k, v, meta = random_paged_inputs(qlens, slens, HQ, HKV, D, BLOCK, dtype)
             q, k, v = q.cuda(), k.cuda(), v.cuda()
@@ -64,16 +76,38 @@ def main() -> None:
             decode = max(qlens) <= 8
             kernel = "decode" if decode else "prefill"
             fn = triton_decode_attention if decode else triton_prefill_attention
-            out = fn(q, k, v, meta, scale)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            ok = err < TOLERANCE[dtype] and bool(torch.isfinite(out).all())
-            failures += not ok
-            ms = time_ms(functools.partial(fn, q, k, v, meta, scale))
             base = time_ms(sdpa_padded(dtype, qlens, slens))
-            label = str(dtype).removeprefix("torch.")
-            print(f"{name:<32} {label:<9} {kernel:<8} {err:>9.2e} {'yes' if ok else 'NO':>3} {ms:>8.3f} {base:>8.3f}")
+            configs: list[LaunchConfig | None] = [None]
+            if sweep:
+                configs = list(DECODE_SWEEP if decode else PREFILL_SWEEP)
+            for config in configs:
+                try:
+                    out = fn(q, k, v, meta, scale, config=config)
+                except Exception as error:  # a swept shape may not fit (shared memory, registers): say so
+                    if config is None:
+                        raise
+                    print(f"{name:<32} {label:<9} {kernel:<8} {config!s:<16} does not run: {type(error).__name__}")
+                    continue
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                ok = err < TOLERANCE[dtype] and bool(torch.isfinite(out).all())
+                failures += not ok
+                ms = time_ms(functools.partial(fn, q, k, v, meta, scale, config=config))
+                shape = str(config) if config else "default"
+                times.setdefault((kernel, label, shape), []).append(ms)
+                print(
+                    f"{name:<32} {label:<9} {kernel:<8} {shape:<16} {err:>9.2e} {'yes' if ok else 'NO':>3}"
+                    f" {ms:>8.3f} {base:>8.3f}"
+                )
+    if sweep:
+        print(f"\n{'kernel':<8} {'dtype':<9} {'shape':<16} {'geomean ms':>10} {'cases run':>9}")
+        for (kernel, label, shape), ms in sorted(times.items(), key=lambda kv: (kv[0][:2], geomean(kv[1]))):
+            print(f"{kernel:<8} {label:<9} {shape:<16} {geomean(ms):>10.3f} {len(ms):>9}")
     print("all within tolerance" if not failures else f"{failures} case(s) out of tolerance")
     raise SystemExit(1 if failures else 0)
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in values) / len(values))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 One program per (sequence, KV head, split). Its rows are every (query token, query head) pair that
 reads this KV head, so K/V are loaded once for the whole GQA group. With several splits each program
-writes its unnormalized (m, den, acc) state and the splits are merged with `merge_attention_states`,
+writes its unnormalized (m, den, acc) state and the splits are merged by `merge_attention_states`' rule,
 the same statistics combination the CPU kernel uses (flash-decoding). With a sliding window W
 (WINDOWED) the splits share the keys from the first query token's first window key on, so the entries
 of released blocks before it are never read (metadata.py).
@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from kvserve.intmath import div_ceil
-from kvserve.kernels.attention import merge_attention_states
 from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.triton.launch import DECODE_DEFAULTS, LaunchConfig
 from kvserve.kernels.triton.prefill import LOG2E, M_FLOOR, dot_precision
 
 
@@ -148,11 +148,13 @@ def triton_decode_attention(
     num_splits: int | None = None,
     seqs: list[int] | None = None,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
     window: int | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Paged decode for the sequences in seqs (default all; each with a few query tokens); `window`: each
-    query sees only the last `window` keys."""
+    query sees only the last `window` keys; `config`: the launch shape (default per dtype; its block_m is
+    unused, the rows being the GQA group's)."""
+    config = config or DECODE_DEFAULTS[q.dtype]
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -169,7 +171,7 @@ def triton_decode_attention(
         acc, m, den = out.unsqueeze(0), out.new_empty(1, 1, 1), out.new_empty(1, 1, 1)
     else:
         acc = torch.zeros((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
-        m = torch.full((num_splits, t, hq), M_FLOOR, dtype=torch.float32, device=q.device)
+        m = torch.full((num_splits, t, hq), M_FLOOR.value, dtype=torch.float32, device=q.device)
         den = torch.zeros((num_splits, t, hq), dtype=torch.float32, device=q.device)
     _decode_kernel[(len(seqs), hkv, num_splits)](
         q,
@@ -203,18 +205,25 @@ def triton_decode_attention(
         HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=max(16, triton.next_power_of_2(group * max_q)),
-        BLOCK_N=block_n,
+        BLOCK_N=config.block_n,
         WINDOWED=window is not None,
         NUM_SPLITS=num_splits,
         NORMALIZE=normalize,
         DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if not normalize:
-        state = (m[0], den[0], acc[0])
-        for i in range(1, num_splits):
-            state = merge_attention_states(*state, m[i], den[i], acc[i])
-        _, den_all, acc_all = state
+        # All splits merged at once (merge_attention_states' rule over a split axis): one reference max,
+        # each split's numerator and denominator rescaled to it and summed. A pairwise loop would launch
+        # ~6 kernels per split, which dominates a long single-sequence decode.
+        weights = torch.exp(m - m.amax(0, keepdim=True))
+        den_all = (den * weights).sum(0)
+        acc_all = (acc * weights.unsqueeze(-1)).sum(0)
         merged = acc_all / den_all.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        if len(seqs) == meta.num_seqs:
+            out.copy_(merged)
+            return out
         starts = [0, *itertools.accumulate(meta.query_lens_host)]
         rows = torch.tensor([r for i in seqs for r in range(starts[i], starts[i + 1])], device=q.device)
         out[rows] = merged[rows].to(out.dtype)  # only these sequences' rows: out may hold others

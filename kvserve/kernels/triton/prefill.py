@@ -14,9 +14,12 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.triton.launch import PREFILL_DEFAULTS, LaunchConfig
 
 LOG2E = 1.4426950408889634
-M_FLOOR = -1e30  # finite start for the running max: exp2(m_old - m_new) is never NaN
+# Finite start for the running max: exp2(m_old - m_new) is never NaN. A constexpr, since Triton kernels
+# read no other globals.
+M_FLOOR = tl.constexpr(-1e30)
 
 
 @triton.jit
@@ -125,12 +128,11 @@ def triton_prefill_attention(
     scale: float,
     seqs: list[int] | None = None,
     out: torch.Tensor | None = None,
-    block_m: int = 64,
-    block_n: int = 64,
     window: int | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill for the sequences in seqs (default all), written into out's rows; `window`:
-    each query sees only the last `window` keys."""
+    each query sees only the last `window` keys; `config`: the launch shape (default per dtype)."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     seqs = list(range(meta.num_seqs)) if seqs is None else seqs
@@ -138,7 +140,8 @@ def triton_prefill_attention(
     if not seqs:
         return out
     max_q = max(meta.query_lens_host[i] for i in seqs)
-    grid = (triton.cdiv(max_q, block_m), len(seqs), hq)
+    config = config or PREFILL_DEFAULTS[q.dtype]
+    grid = (triton.cdiv(max_q, config.block_m), len(seqs), hq)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -165,9 +168,11 @@ def triton_prefill_attention(
         CACHE_BLOCK=meta.block_size,
         HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         WINDOWED=window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
