@@ -10,8 +10,8 @@
 // is exact up to summation order but did more work per weight byte and ran slower on every shape
 // measured on AVX2 (benchmarks/RESULTS.md, "Quantized weights").
 //
-// Other instruction sets add their own block_dot (AVX512-VNNI / AVX-VNNI: _mm*_dpbusd_epi32 in place of
-// maddubs + madd); this file has the AVX2 form only.
+// 256-bit vectors on every path; where the build has VNNI (AVX512-VNNI, AVX-VNNI) the integer dots take
+// one dpbusd in place of maddubs + madd (benchmarks/RESULTS.md, "VNNI in the quantized GEMV").
 #include "common.h"
 #include "ops.h"
 #include "quant_row_groups.h"
@@ -84,9 +84,27 @@ Activations quantize_int8(const T* x, int64_t rows, int64_t k) {
   return a;
 }
 
+// VNNI (AVX512-VNNI with VL, or AVX-VNNI) sums four u8 x s8 products straight into an int32 lane in one
+// instruction; without it maddubs sums pairs into int16 and madd pairs of those into int32. The results
+// are equal wherever no int16 pair sum saturates, which every caller below ensures.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define KVSERVE_HAS_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
 // Eight int32 sums of pairs of pairs of u8 x s8 products: sum over 32 bytes, spread over 8 lanes.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef KVSERVE_HAS_VNNI
+  return dpbusd(_mm256_setzero_si256(), u, s);
+#else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // One weight block times the x blocks from xb (index of the block's first 32 elements within a row) in
@@ -211,7 +229,7 @@ template <typename Group, int M>
 inline void row_group_rows(const uint8_t* group, const Activations& x, float* y, int64_t n_total, int64_t g) {
   constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;  // else Q4_0: offset -8 d
   const int64_t xblocks = x.k / kXBlock;
-  const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi8(0xF);
   __m256 acc[M], acc_offset[M];  // the integer products' terms and the offsets' (separate chains)
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), acc_offset[m] = _mm256_setzero_ps();
   const uint8_t* p = group;
@@ -228,13 +246,21 @@ inline void row_group_rows(const uint8_t* group, const Activations& x, float* y,
     for (int m = 0; m < M; ++m) {
       const int64_t i = m * xblocks + b;
       const int8_t* xq = x.q.data() + i * kXBlock;
-      __m256i sum = _mm256_setzero_si256();
+      __m256i sum = _mm256_setzero_si256();  // int32 lanes with VNNI, else int16 pairs
       for (int t = 0; t < 8; ++t) {
         int32_t four;
         std::memcpy(&four, xq + 4 * t, 4);
+#ifdef KVSERVE_HAS_VNNI
+        sum = dpbusd(sum, q[t], _mm256_set1_epi32(four));
+#else
         sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[t], _mm256_set1_epi32(four)));
+#endif
       }
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+#ifdef KVSERVE_HAS_VNNI
+      const __m256 dot = _mm256_cvtepi32_ps(sum);
+#else
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
+#endif
       acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[m]);
       acc_offset[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sum32[i]), acc_offset[m]);
     }
