@@ -16,10 +16,12 @@ Every engine's row is measured against its own bytes and FLOPs (`Weights`: how i
 reading a Q4_1 GGUF reads a third of what kvserve's bf16 weights take, so the roof of one is no roof of the
 other. A peer whose weights are not known has no roof (its share is n/a), never kvserve's.
 
-The GEMM rate: bf16 where the path multiplies bf16 natively and the activations are bf16 (dense bf16
-weights, or GGUF blocks dequantized to bf16 panels: quant_linear_bf16.cpp), float32 otherwise (without
-native bf16 kvserve widens bf16 to float32 and dequantizes blocks to float32 tiles; a peer holding its
-weights in float32 or GGUF blocks cannot multiply faster than the machine's float32 rate either).
+The GEMM rate: where the path multiplies bf16 natively and the activations are bf16 (dense bf16 weights,
+or GGUF blocks dequantized to bf16 panels: quant_linear_bf16.cpp), the higher of the bf16 and float32
+rates, since bf16 operands widen to float32 exactly and kvserve takes whichever its probe finds faster
+(kvserve/model/linear.py: batched_product_kernel; on Intel without AMX the float32 FMAs win); float32
+otherwise (without native bf16 kvserve widens bf16 to float32 and dequantizes blocks to float32 tiles; a
+peer holding its weights in float32 or GGUF blocks cannot multiply faster than the float32 rate either).
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ def model_cost(model: str, weights: Weights) -> DecodeCost:
 
 def gemm_rate(roofs: dict[str, Any], weights: Weights) -> tuple[float, str]:
     """The GEMM FLOP/s products of `weights` can reach on this path, and which roof it is ("bf16", "fp32")."""
-    if weights.dtype == "bfloat16" and roofs["native_bf16"]:
+    fp32 = roofs["gemm_fp32"]["flop_s"]
+    if weights.dtype == "bfloat16" and roofs["native_bf16"] and roofs["gemm_bf16"]["flop_s"] > fp32:
         return roofs["gemm_bf16"]["flop_s"], "bf16"
-    return roofs["gemm_fp32"]["flop_s"], "fp32"
+    return fp32, "fp32"
 
 
 def batch1_roof(cost: DecodeCost, roofs: dict[str, Any], gemm: float, prompt_len: int, output_len: int) -> dict:

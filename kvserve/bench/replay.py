@@ -29,6 +29,11 @@ from kvserve.bench.sse import StreamCounter, parse_sse_line
 from kvserve.bench.workload import WorkloadRequest, input_len_of, token_ids_for
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# How long an idle pooled connection is kept for reuse: below the servers' own idle timeout (uvicorn's
+# default 5 s, which kvserve and vLLM serve with), so the client never sends a request on a connection the
+# server is closing at that moment (a "Connection reset by peer" that no server load caused). aiohttp's
+# default is 15 s.
+IDLE_CONNECTION_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,8 @@ async def replay_async(
     bodies = [payload_for(r, cfg) for r in requests]
     # No total limit (a long stream is fine) but at most timeout_s of silence; no cap on connections.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=cfg.timeout_s)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as client:
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         warmup_failed = await _warmup(client, cfg)
         slots = asyncio.Semaphore(cfg.max_concurrency or max(1, len(requests)))
         t0 = time.perf_counter()
