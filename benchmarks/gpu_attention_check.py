@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -100,14 +100,11 @@ def main() -> None:
                 )
     if sweep:
         print(f"\n{'kernel':<8} {'dtype':<9} {'shape':<16} {'geomean ms':>10} {'cases run':>9}")
-        for (kernel, label, shape), ms in sorted(times.items(), key=lambda kv: (kv[0][:2], geomean(kv[1]))):
-            print(f"{kernel:<8} {label:<9} {shape:<16} {geomean(ms):>10.3f} {len(ms):>9}")
+        means = {key: statistics.geometric_mean(ms) for key, ms in times.items()}
+        for (kernel, label, shape), mean in sorted(means.items(), key=lambda kv: (kv[0][:2], kv[1])):
+            print(f"{kernel:<8} {label:<9} {shape:<16} {mean:>10.3f} {len(times[kernel, label, shape]):>9}")
     print("all within tolerance" if not failures else f"{failures} case(s) out of tolerance")
     raise SystemExit(1 if failures else 0)
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in values) / len(values))
 
 
 if __name__ == "__main__":

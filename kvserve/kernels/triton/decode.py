@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kvserve.intmath import div_ceil
 from kvserve.kernels.metadata import AttentionMetadata
-from kvserve.kernels.triton.launch import DECODE_DEFAULTS, LaunchConfig
+from kvserve.kernels.triton.launch import DECODE_DEFAULT, LaunchConfig
 from kvserve.kernels.triton.prefill import LOG2E, M_FLOOR, dot_precision
 
 
@@ -152,9 +152,9 @@ def triton_decode_attention(
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Paged decode for the sequences in seqs (default all; each with a few query tokens); `window`: each
-    query sees only the last `window` keys; `config`: the launch shape (default per dtype; its block_m is
-    unused, the rows being the GQA group's)."""
-    config = config or DECODE_DEFAULTS[q.dtype]
+    query sees only the last `window` keys; `config`: the launch shape (DECODE_DEFAULT by default; its
+    block_m is unused, the rows being the GQA group's)."""
+    config = config or DECODE_DEFAULT
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
