@@ -8,8 +8,8 @@ Tolerances, and why:
 - quant_linear: the same float32 weights, summed in another order: 1e-5 of sum |w x| (plus one
   bf16 rounding of the result for bf16 activations). For bf16 activations on a path with native bf16
   products (AMX, AVX512-BF16) the weights are first rounded to bf16, as the dense bf16 engine holds them
-  (quant_linear_bf16.cpp): the reference rounds them too. Not on the avx512 path without AMX with FMA
-  products on (set_fma_products): there bf16 x meets the float32 weights. Both settings are tested.
+  (quant_linear_bf16.cpp, and tiles_fma.h's VDPBF16PS form where FMA products are on: set_fma_products):
+  the reference rounds them too. Elsewhere bf16 x meets the float32 weights. Both settings are tested.
 - quant_gemv quantizes each 32 elements of x to int8 (step s = max |x| / 127, rounding to nearest), so
   each x moves by at most s / 2 and the result by at most sum over x blocks of s / 2 * sum |w| over the
   block: that bound, plus the float32 slack and bf16 rounding above.
@@ -103,10 +103,9 @@ def fma_products(request, kernels) -> bool:
     kernels.set_fma_products(previous)
 
 
-def multiplied_weights(w: torch.Tensor, dtype: torch.dtype, kernels, fma_products: bool) -> torch.Tensor:
+def multiplied_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weights quant_linear multiplies x with: w, or w rounded to bf16 (see the module docstring)."""
-    on_fma = fma_products and not kernels.amx_available() and cpu_isa.selected().isa.name == "avx512"
-    return w.bfloat16().float() if dtype == torch.bfloat16 and cpu_isa.selected().bf16 and not on_fma else w
+    return w.bfloat16().float() if dtype == torch.bfloat16 and cpu_isa.selected().bf16 else w
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -123,7 +122,7 @@ def test_quant_linear_matches_dequantize_then_matmul(kernels, fma_products, qtyp
     for seed in range(4):
         blocks, n, k, x = random_case(qtype, 10 + seed, 40 if seed == 0 else 9)
         x = x.to(dtype)
-        w = multiplied_weights(reference(blocks, qtype, n, k), dtype, kernels, fma_products)
+        w = multiplied_weights(reference(blocks, qtype, n, k), dtype)
         ref = x.double() @ w.double().T
         y = kernels.quant_linear(x, torch.from_numpy(blocks), int(qtype))
         assert y.dtype == dtype and y.shape == ref.shape
@@ -254,7 +253,7 @@ def test_quant_linear_on_row_groups_matches_dequantize_then_matmul(kernels, fma_
     for seed in range(4):
         blocks, grouped, x = row_group_case(qtype, 30 + seed, 40 if seed == 0 else 9)
         x = x.to(dtype)
-        w = multiplied_weights(reference(blocks, qtype, *grouped.shape), dtype, kernels, fma_products)
+        w = multiplied_weights(reference(blocks, qtype, *grouped.shape), dtype)
         ref = x.double() @ w.double().T
         y = kernels.quant_linear(x, grouped.blocks, grouped.kernel_type)
         assert y.dtype == dtype and y.shape == ref.shape

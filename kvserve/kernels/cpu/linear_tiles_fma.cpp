@@ -6,8 +6,9 @@
 // no bf16 kernel at all (AVX2) it multiplies float32 weights of twice the bytes. Which is faster on the
 // CPU at hand is measured, not assumed: kvserve/model/linear.py probes both once per process.
 //
-// The register block (tiles_fma.h): kRows rows of x (widened once per call) times 32 columns of W, so the
-// results are those of a float32 product of the bf16 values, up to the order of the sums.
+// The register block (tiles_fma.h): kRows rows of x times 32 columns of W, so the results are those of
+// a float32 product of the bf16 values, up to the order of the sums. Where the build has AVX512-BF16 the
+// block multiplies on VDPBF16PS (x as it is); elsewhere on FMAs (x widened to float32 once per call).
 //
 // Gated (the MLP's up projection): as linear_amx, each 32-column block holds 16 gate columns and their 16
 // up columns, and the epilogue stores silu(gate) * up.
@@ -23,8 +24,8 @@ using namespace tiles_fma;
 
 // Rows m0 .. m0 + R - 1 of x (float32, row stride k) times column blocks 2 * pair and 2 * pair + 1,
 // stored as y's rows (bf16, n columns; gated: n / 2).
-template <int R>
-void block_product(const float* x, const uint16_t* packed, int64_t k, int64_t m0, int64_t pair, int64_t n, bool gated,
+template <int R, typename X>
+void block_product(const X* x, const uint16_t* packed, int64_t k, int64_t m0, int64_t pair, int64_t n, bool gated,
                    uint16_t* y) {
   alignas(64) float c[R][2 * kBlockCols];
   accumulate<R>(x + m0 * k, k, packed, pair, c);
@@ -58,8 +59,10 @@ at::Tensor linear_tiles_fma(at::Tensor x, at::Tensor packed, bool gated) {
   TORCH_CHECK(k == packed.size(1) * 32, "x has ", k, " columns, the packed weight ", packed.size(1) * 32);
   auto y = at::empty({rows, gated ? n / 2 : n}, x.options());
   if (rows == 0) return y;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* x_data = xf.data_ptr<float>();
+  // x as the register block reads it: bf16 pairs where the build has them, else float32.
+  const at::Tensor xs = kBf16Pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
+  using X = std::conditional_t<kBf16Pairs, uint16_t, float>;
+  const X* x_data = static_cast<const X*>(xs.data_ptr());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t full_blocks = rows / kRows;

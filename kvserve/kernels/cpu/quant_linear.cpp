@@ -10,10 +10,12 @@
 //   into bf16 and multiplied on those instructions (quant_linear_bf16.cpp), so the results are the dense
 //   bf16 engine's, up to the order of the sums;
 // - on AVX-512 without AMX where FMA products are on (the process's probe found them faster:
-//   kvserve/model/linear.py): x is packed once per call in pack_tiles' layout and each float32 panel
-//   multiplies it in register blocks of tiles_fma.h (panel rows as the broadcast operand, rows of x as the
-//   packed one), so the results are dequantize-then-matmul's, up to the order of the sums. Not on AVX2:
-//   there its 5-row blocks lost to the micro-kernel below (benchmarks/RESULTS.md, "FMA tiles");
+//   kvserve/model/linear.py): x is packed once per call in pack_tiles' layout and each panel multiplies
+//   it in register blocks of tiles_fma.h (panel rows as the broadcast operand, rows of x as the packed
+//   one). With AVX512-BF16 the panel is dequantized to bf16 and the blocks run on VDPBF16PS, so the
+//   results are the dense bf16 engine's; without it the panel is float32, so they are
+//   dequantize-then-matmul's; either up to the order of the sums. Not on AVX2: there its 5-row blocks
+//   lost to the micro-kernel below (benchmarks/RESULTS.md, "FMA tiles");
 // - otherwise the float32 micro-kernel below, on x widened to float32.
 //
 // Micro-kernel (AVX2 + FMA): kXRows rows of x times kWRows rows of the tile in dot-product form, eight
@@ -79,8 +81,9 @@ std::atomic<bool> fma_products{false};
 
 #if defined(__AVX512F__)
 // y [m, n] = x [m, k] @ W^T for bf16 x, W's rows from `blocks`: x packed as pack_tiles packs a weight
-// (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized float32 rows,
-// register blocks of tiles_fma::kRows panel rows times 32 rows of x, stored transposed into y.
+// (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized rows (bf16
+// where the register block takes bf16 pairs, else float32), register blocks of tiles_fma::kRows panel
+// rows times 32 rows of x, stored transposed into y.
 template <typename Block>
 at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k) {
   using namespace tiles_fma;
@@ -95,7 +98,8 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
   uint16_t* ys = raw<c10::BFloat16>(y);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
   at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
-    float* tile = thread_scratch<float>(kPanelRows * k);
+    using Tile = std::conditional_t<kBf16Pairs, uint16_t, float>;
+    Tile* tile = thread_scratch<Tile>(kPanelRows * k);
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
       quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);

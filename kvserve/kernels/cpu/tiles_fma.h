@@ -10,7 +10,15 @@
 // Register blocking: R rows of `a` times 32 columns (two 16-column blocks) in float32 accumulators for
 // the whole of k; each widened vector of B feeds R FMAs, each broadcast value of `a` one per vector of
 // the pass's columns. The products are exact and summed in float32 in key order.
+//
+// Where the build has AVX512-BF16, `a` may be bf16 too: then B's lanes are not widened, each row's key
+// pair is broadcast as one 32-bit word, and one VDPBF16PS adds both of its products to a lane (32
+// products per instruction against an FMA's 16; oneDNN's bf16 kernel is built on the same instruction).
+// The products are still exact bf16 x bf16 in float32; VDPBF16PS flushes subnormal inputs and results to
+// zero and adds the odd key's product before the even key's.
 #pragma once
+
+#include <type_traits>
 
 #include "common.h"
 
@@ -42,28 +50,52 @@ inline void widen_pairs(const uint16_t* p, WideLanes& even, WideLanes& odd) {
 #endif
 }
 
+// Whether `a` may be bf16 (the VDPBF16PS form above).
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Pairs = true;
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
 // c[r][j] = sum over k of a[r * k + e] * B[32 * pair + j, e], for r < R and the 32 columns j of B's
-// column blocks 2 * pair and 2 * pair + 1 (k even).
-template <int R>
-void accumulate(const float* a, int64_t k, const uint16_t* packed, int64_t pair, float (*c)[2 * kBlockCols]) {
+// column blocks 2 * pair and 2 * pair + 1 (k even). `a` is float32, or bf16 where kBf16Pairs.
+template <int R, typename A>
+void accumulate(const A* a, int64_t k, const uint16_t* packed, int64_t pair, float (*c)[2 * kBlockCols]) {
+  constexpr bool kPairs = std::is_same_v<A, uint16_t>;
+  static_assert(std::is_same_v<A, float> || (kPairs && kBf16Pairs), "a is float32, or bf16 with AVX512-BF16");
   const uint16_t* blocks[2] = {packed + 2 * pair * k * kBlockCols, packed + (2 * pair + 1) * k * kBlockCols};
   for (int pass = 0; pass < kPasses; ++pass) {
     WideLanes acc[R][kPassVectors];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < kPassVectors; ++v) acc[r][v] = splat<WideLanes>(0.f);
     for (int64_t pair_k = 0; pair_k < k / 2; ++pair_k) {
-      WideLanes even[kPassVectors], odd[kPassVectors];
+      const uint16_t* lanes[kPassVectors];  // the key pair's B[n, k], B[n, k + 1] for each vector's columns
       for (int v = 0; v < kPassVectors; ++v) {
         const int column_vector = pass * kPassVectors + v;
-        const uint16_t* block = blocks[column_vector / kVectorsPerBlock];
-        widen_pairs(block + pair_k * kPairElems + (column_vector % kVectorsPerBlock) * 2 * kLanes, even[v], odd[v]);
+        lanes[v] = blocks[column_vector / kVectorsPerBlock] + pair_k * kPairElems +
+                   (column_vector % kVectorsPerBlock) * 2 * kLanes;
       }
-      // Row by row, so that only one row's two broadcasts are live beside the accumulators.
-      for (int r = 0; r < R; ++r) {
-        const WideLanes a_even = splat<WideLanes>(a[r * k + 2 * pair_k]);
-        const WideLanes a_odd = splat<WideLanes>(a[r * k + 2 * pair_k + 1]);
-        for (int v = 0; v < kPassVectors; ++v)
-          acc[r][v] = lanes_fma(a_odd, odd[v], lanes_fma(a_even, even[v], acc[r][v]));
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        __m512bh b[kPassVectors];
+        for (int v = 0; v < kPassVectors; ++v) b[v] = (__m512bh)_mm512_loadu_si512(lanes[v]);
+        for (int r = 0; r < R; ++r) {
+          uint32_t a_pair;  // a[r, k] in bits 0-15, a[r, k + 1] in bits 16-31, as B's lanes hold theirs
+          std::memcpy(&a_pair, a + r * k + 2 * pair_k, sizeof(a_pair));
+          const __m512bh a_pairs = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pair));
+          for (int v = 0; v < kPassVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a_pairs, b[v]);
+        }
+#endif
+      } else {
+        WideLanes even[kPassVectors], odd[kPassVectors];
+        for (int v = 0; v < kPassVectors; ++v) widen_pairs(lanes[v], even[v], odd[v]);
+        // Row by row, so that only one row's two broadcasts are live beside the accumulators.
+        for (int r = 0; r < R; ++r) {
+          const WideLanes a_even = splat<WideLanes>(a[r * k + 2 * pair_k]);
+          const WideLanes a_odd = splat<WideLanes>(a[r * k + 2 * pair_k + 1]);
+          for (int v = 0; v < kPassVectors; ++v)
+            acc[r][v] = lanes_fma(a_odd, odd[v], lanes_fma(a_even, even[v], acc[r][v]));
+        }
       }
     }
     for (int r = 0; r < R; ++r)
