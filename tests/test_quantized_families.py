@@ -3,11 +3,12 @@ checkpoints written with the mixed block types llama.cpp's quantization mixes us
 gate|up whose parts differ in block type stay in their blocks, part by part (StackedQuantizedTensor).
 The reference is kvserve over the same file dequantized, in float32.
 
-Steps of more than GEMV_MAX_ROWS rows (prefill, batched decode) take the panel product, which differs
-from dequantize-then-matmul only in summation order: there logprobs and greedy tokens are the
-reference's. Batch-1 decode takes the GEMV, whose activations are quantized to int8 per 32 values (as
+Prefill steps of more than GEMV_MAX_ROWS rows take the panel product, which differs from
+dequantize-then-matmul only in summation order: there logprobs are the reference's. Decode steps (of
+up to int8_max_rows rows) take the GEMV, whose activations are quantized to int8 per 32 values (as
 llama.cpp's are): on these checkpoints, drawn for sharp attention and large logits, that moves
-logprobs by up to about one nat, so one-at-a-time decoding is held to a teacher-forced agreement bound.
+logprobs by up to about one nat, so decoding, one at a time or batched, is held to a teacher-forced
+agreement bound.
 Gemma 3's real Q4_K_M file: tests/test_gemma3_270m.py."""
 
 from __future__ import annotations
@@ -79,27 +80,23 @@ def test_prompt_logprobs_over_the_blocks_are_the_dequantized_engines(quantized_g
         torch.testing.assert_close([lp for _, lp in blocks.top], [lp for _, lp in dense.top], rtol=0, atol=1e-3)
 
 
-def test_batched_greedy_tokens_are_the_dequantized_engines(quantized_gguf):
-    """Three rows per decode step: the panel product throughout."""
-    outputs = {}
-    for quantization in ("auto", "none"):
-        llm = LLM(model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization=quantization)
-        outputs[quantization] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    assert outputs["auto"] == outputs["none"]
-
-
-def test_one_at_a_time_decoding_follows_the_dequantized_engine(quantized_gguf):
-    """Batch-1 decode steps on the GEMV (int8 activations): at each position of the output, given the
-    tokens before it, the reference's greedy token is the one decoded (the reference runs teacher-forced
-    through its prompt logprobs; a forced request's own token would come from a prefill step instead)."""
+@pytest.mark.parametrize("batched", [False, True], ids=["one at a time", "three per step"])
+def test_decoding_follows_the_dequantized_engine(quantized_gguf, batched: bool):
+    """Decode steps on the GEMV (int8 activations), of one row or of three: at each position of the
+    output, given the tokens before it, the reference's greedy token is the one decoded (the reference
+    runs teacher-forced through its prompt logprobs; a forced request's own token would come from a
+    prefill step instead)."""
     llm = LLM(model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization="auto")
     reference = LLM(model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization="none")
+    if batched:
+        outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    else:
+        outputs = [llm.generate([prompt], GREEDY)[0].token_ids for prompt in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     agree = 0
-    for prompt in PROMPTS:
-        output = llm.generate([prompt], GREEDY)[0].token_ids
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
         entries = reference.generate([prompt + output], params)[0].prompt_logprobs[len(prompt) :]
         agree += sum(entry.top[0][0] == token for entry, token in zip(entries, output, strict=True))
     agreement = agree / (len(PROMPTS) * NEW_TOKENS)
-    print(f"agreement of batch-1 decoding over the blocks with the reference {agreement:.3f}")
+    print(f"agreement of {'batched' if batched else 'batch-1'} decoding with the reference {agreement:.3f}")
     assert agreement >= MIN_GEMV_AGREEMENT

@@ -141,13 +141,17 @@ needs_quant_gemv = pytest.mark.skipif(
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_quant_gemv_within_the_int8_activation_bound(kernels, qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
     for seed in range(4):
-        blocks, n, k, x = random_case(qtype, 20 + seed, kernels.GEMV_MAX_ROWS)
+        blocks, n, k, x = random_case(qtype, 20 + seed, GEMV_TEST_ROWS)
         x = x.to(dtype)
         w = reference(blocks, qtype, n, k)
         ref = x.double() @ w.double().T
         y = kernels.quant_gemv(x, torch.from_numpy(blocks), int(qtype))
         assert y.dtype == dtype and y.shape == ref.shape
         assert within(y, ref, int8_bound(w, x, ref, dtype)), f"seed {seed}"
+
+
+# Rows of x in the GEMV tests: up to two chunks of the widest row chunk (four) and a remainder.
+GEMV_TEST_ROWS = 11
 
 
 def int8_bound(w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,10 +187,10 @@ def test_kernels_refuse_bad_input_by_name(kernels) -> None:
 
 
 @needs_quant_gemv
-def test_quant_gemv_refuses_more_rows_than_a_gemv(kernels) -> None:
+def test_quant_gemv_refuses_no_rows(kernels) -> None:
     blocks = torch.zeros(4, 20, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="takes 1 to"):
-        kernels.quant_gemv(torch.zeros(kernels.GEMV_MAX_ROWS + 1, 32), blocks, int(GGMLQuantizationType.Q4_1))
+    with pytest.raises(RuntimeError, match="one row or more"):
+        kernels.quant_gemv(torch.zeros(0, 32), blocks, int(GGMLQuantizationType.Q4_1))
 
 
 def test_quantized_tensor_rows_and_cat_follow_the_matrix() -> None:
@@ -267,7 +271,7 @@ def test_quant_gemv_on_row_groups_equals_it_on_ggml_blocks(kernels, qtype, dtype
     """The same int8 activations and the same integer products: the two layouts differ only in the order
     of a few float32 sums per output, so they agree to float32 rounding of the result's terms."""
     for seed in range(6):
-        blocks, grouped, x = row_group_case(qtype, 40 + seed, kernels.GEMV_MAX_ROWS)
+        blocks, grouped, x = row_group_case(qtype, 40 + seed, GEMV_TEST_ROWS)
         x = x.to(dtype)
         w = reference(blocks, qtype, *grouped.shape)
         ours = kernels.quant_gemv(x, grouped.blocks, grouped.kernel_type)
@@ -278,16 +282,20 @@ def test_quant_gemv_on_row_groups_equals_it_on_ggml_blocks(kernels, qtype, dtype
 
 
 @needs_quant_gemv
+@pytest.mark.parametrize("decode_step", [False, True], ids=["prefill step", "decode step"])
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
-def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype) -> None:
+def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype, decode_step) -> None:
     blocks, grouped, x = row_group_case(GGMLQuantizationType.Q4_1, 60, 1)
     if qtype == GGMLQuantizationType.Q8_0:
         n, k = grouped.shape
         q8_blocks = random_blocks(qtype, n, k, np.random.default_rng(61))
         grouped = QuantizedTensor(torch.from_numpy(q8_blocks), qtype, (n, k))
-    for rows in range(1, kernels.GEMV_MAX_ROWS + 3):
+    int8_rows = kernels.int8_max_rows(grouped.kernel_type)
+    assert int8_rows == (64 if qtype == GGMLQuantizationType.Q4_1 else 8)  # row groups, GGML's layout
+    most = int8_rows if decode_step else kernels.GEMV_MAX_ROWS
+    for rows in sorted({1, 2, 3, most - 1, most, most + 1, most + 7}):
         xs = torch.cat([x * (i + 1) for i in range(rows)])
-        kernel = kernels.quant_gemv if rows <= kernels.GEMV_MAX_ROWS else kernels.quant_linear
+        kernel = kernels.quant_gemv if rows <= most else kernels.quant_linear
         expected = kernel(xs, grouped.blocks, grouped.kernel_type)
-        ours = kernels.quant_product(xs, grouped.blocks, grouped.kernel_type)
+        ours = kernels.quant_product(xs, grouped.blocks, grouped.kernel_type, decode_step)
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)

@@ -13,10 +13,12 @@ import numpy as np
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.backends import AttentionBackend
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.huge_pages import empty_on_huge_pages
 from kvserve.model.llama import LlamaModel
+from kvserve.model.quantized_linear import decode_step
 
 
 class KVCache:
@@ -104,18 +106,19 @@ class ModelRunner:
             seq_lens_host=seq_lens.tolist(),
             block_size=bs,
         )
-        hidden = self.model.forward(
-            torch.tensor(tokens, dtype=torch.int64, device=device),
-            torch.from_numpy(positions).to(device),
-            self.cache.tensor,
-            torch.from_numpy(slots).to(device),
-            meta,
-            self.attention,
-            num_layers=num_layers,
-            compiled_decode=self.compiled_decode and self.attention.decode_kernel_takes_every_row(meta),
-        )
-        if not logit_rows:
-            return hidden.new_empty((0, self.model.config.vocab_size))  # the model dtype, as logits() gives
-        if len(logit_rows) < len(tokens):  # rows are ascending and distinct: equal counts mean every row
-            hidden = hidden[torch.tensor(logit_rows, device=device)]
-        return self.model.logits(hidden)
+        with decode_step(meta.max_query_len <= DECODE_MAX_QUERY_LEN):
+            hidden = self.model.forward(
+                torch.tensor(tokens, dtype=torch.int64, device=device),
+                torch.from_numpy(positions).to(device),
+                self.cache.tensor,
+                torch.from_numpy(slots).to(device),
+                meta,
+                self.attention,
+                num_layers=num_layers,
+                compiled_decode=self.compiled_decode and self.attention.decode_kernel_takes_every_row(meta),
+            )
+            if not logit_rows:
+                return hidden.new_empty((0, self.model.config.vocab_size))  # the model dtype, as logits() gives
+            if len(logit_rows) < len(tokens):  # rows are ascending and distinct: equal counts mean every row
+                hidden = hidden[torch.tensor(logit_rows, device=device)]
+            return self.model.logits(hidden)

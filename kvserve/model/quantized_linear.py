@@ -1,11 +1,13 @@
 """Linear layers and the embedding over weights kept in GGUF blocks (QuantizedTensor), on kvserve's
 quantized kernels (kernels/cpu/quant_*.cpp).
 
-`quant_product` chooses the kernel (the compiled decode step calls the same): up to GEMV_MAX_ROWS rows
-(batch-1 decode) `quant_gemv` streams the blocks once with x quantized to int8 per 32 elements; more rows
-(decode batches, prefill chunks) take `quant_linear`, which dequantizes a panel of weight rows into a
-float32 tile in cache and multiplies every row with it, so the weights are read once per product at
-their quantized size either way. A fused projection whose parts differ in block
+`quant_product` chooses the kernel (the compiled decode step calls the same): `quant_gemv` streams the
+blocks once with x quantized to int8 per 32 elements, for up to GEMV_MAX_ROWS rows, or in a decode step
+(`decode_step`) up to `int8_max_rows` (64 on row groups, 8 in GGML's layout); more rows, and prefill
+steps, take `quant_linear`, which dequantizes a panel of weight rows into a tile in cache and multiplies
+every row with it, exactly up to the order of the sums. The weights are read once per product at their
+quantized size either way. A prefill's KV serves every later token of its request, so it stays exact; a
+decode step's row makes one token, as batch 1's always has on the GEMV. A fused projection whose parts differ in block
 type (StackedQuantizedTensor) runs a product per part and concatenates their columns.
 
 The embedding table, when quantized, stays in its blocks: a step gathers the rows of its tokens and
@@ -16,8 +18,10 @@ dequantization of a few rows per step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -28,6 +32,20 @@ from kvserve.kernels import cpu
 from kvserve.model.quantized import Quantized, QuantizedTensor, StackedQuantizedTensor
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+# Whether the model call at hand is a decode step (see the module docstring); set by `decode_step`.
+_decode_step: ContextVar[bool] = ContextVar("decode_step", default=False)
+
+
+@contextlib.contextmanager
+def decode_step(active: bool) -> Iterator[None]:
+    """Within it, quantized products take the rows of a decode step (every query a few tokens, as the
+    runner judges it: decode and verify steps) where `active`, a prefill step's otherwise."""
+    token = _decode_step.set(active)
+    try:
+        yield
+    finally:
+        _decode_step.reset(token)
 
 
 @functools.cache
@@ -54,7 +72,7 @@ class QuantizedLinear:
     silu_mul: LinearFn | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.quant_product(x, self.weight.blocks, self.weight.kernel_type)
+        y = self.kernels.quant_product(x, self.weight.blocks, self.weight.kernel_type, _decode_step.get())
         return y if self.silu_mul is None else self.silu_mul(y)
 
 

@@ -8,7 +8,7 @@
 // QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel: bf16 up
 // to kGemvMaxRows rows on the GEMV, more (batched decode, up to linear.py's AMX_MAX_ROWS, which the
 // caller checks) on the packed tiles (linear_amx, or linear_tiles_fma without AMX); blocks on
-// quant_product, as QuantizedLinear.
+// quant_product, as QuantizedLinear does in a decode step (kvserve/model/quantized_linear.py).
 #include "amx.h"
 #include "ops.h"
 
@@ -23,7 +23,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
                    bool gated) {
   at::Tensor y;
   if (block_type >= 0) {
-    y = quant_product(x, weight, block_type);
+    y = quant_product(x, weight, block_type, /*decode_step=*/true);
   } else if (x.size(0) <= kGemvMaxRows) {
     y = gemv_bf16(x, weight);
   } else {

@@ -34,9 +34,11 @@ at::Tensor linear_tiles_fma(at::Tensor x, at::Tensor packed, bool gated);
 // Quantized weights: `blocks` uint8 [N, row_bytes] of GGML block type `type` (quant_blocks.h).
 // The rows dequantized to float32 [N, K], exactly as gguf.quants.dequantize computes them.
 at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
-// x [M <= kGemvMaxRows, K] (float32 or bf16) @ W^T on the blocks as they lie (GGML's layout or row groups,
+// x [M >= 1, K] (float32 or bf16) @ W^T on the blocks as they lie (GGML's layout or row groups,
 // quant_row_groups.h), x quantized per 32 elements to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
 at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
+// The most rows quant_product gives quant_gemv for blocks of GGML type (or row-group type) `type`.
+int64_t int8_max_rows(int64_t type);
 // x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
 // multiplied; y in x's dtype. bf16 x on a path with native bf16 products meets the panel dequantized
 // straight into bf16 (each value rounded to nearest even).
@@ -44,10 +46,12 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // Whether quant_linear multiplies bf16 x on float32 FMAs on AVX-512 without AMX (off until set: the
 // process's probe, kvserve/model/linear.py, sets it with its choice); returns the previous setting.
 bool set_fma_products(bool enabled);
-// x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, else
-// quant_linear. More rows stay exact: int8 activations there too would be faster, but move the engine's
-// greedy tokens off the dequantized engine's (benchmarks/RESULTS.md, "Row groups").
-at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type);
+// x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, or
+// in a decode step (every query a few tokens: decode_step) up to int8_max_rows(type); else quant_linear.
+// Prefill steps stay exact: int8 activations there move the engine's greedy tokens off the dequantized
+// engine's (benchmarks/RESULTS.md, "Row groups"), and the KV they write serves every later token; a
+// decode step's rows each make one token, as batch 1's always have ("int8 decode batches").
+at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
 // `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved);
 // `block_types`: none (every projection a bf16 matrix), or per layer the GGML block type of each of the

@@ -1,13 +1,16 @@
-// y = x @ W^T for one or two rows of x, W [N, K] in GGUF blocks (quant_blocks.h), dequantized on the fly.
+// y = x @ W^T for a few rows of x, W [N, K] in GGUF blocks (quant_blocks.h), dequantized on the fly.
 //
 // At batch 1 the product streams W once, so its speed limit is W's size in memory: the blocks are read
-// as they lie, never widened into a copy. Each row of x is quantized per 32 elements to int8 with a
-// float scale (as llama.cpp's Q8_0 activations), and each weight block meets its x block in integer dot
-// products (_mm256_maddubs_epi16: unsigned weight bytes x signed x bytes, so signed weights (Q8_0) lend
-// x their sign); one float multiply-add per block applies the two scales. Not exact: x's rounding to
-// int8 costs up to half a step of 1/127 of each x block's largest magnitude (tests/test_quantized_kernels.py
-// states the tolerance). Chosen over widening the weights to float32 for FMAs against float32 x, which
-// is exact up to summation order but did more work per weight byte and ran slower on every shape
+// as they lie, never widened into a copy. More rows of x meet each few weight rows in chunks of
+// kRowChunk (as many as the vector registers hold), the weight rows staying in L1 from chunk to chunk,
+// so W is still read from memory once per call and each further row costs only its integer products.
+//
+// Each row of x is quantized per 32 elements to int8 with a float scale (as llama.cpp's Q8_0 activations), and each
+// weight block meets its x block in integer dot products (_mm256_maddubs_epi16: unsigned weight bytes x signed x bytes,
+// so signed weights (Q8_0) lend x their sign); one float multiply-add per block applies the two scales. Not exact: x's
+// rounding to int8 costs up to half a step of 1/127 of each x block's largest magnitude
+// (tests/test_quantized_kernels.py states the tolerance). Chosen over widening the weights to float32 for FMAs against
+// float32 x, which is exact up to summation order but did more work per weight byte and ran slower on every shape
 // measured on AVX2 (benchmarks/RESULTS.md, "Quantized weights").
 //
 // 256-bit vectors on every path; where the build has VNNI (AVX512-VNNI, AVX-VNNI) the integer dots take
@@ -28,6 +31,24 @@ constexpr int64_t kPrefetchGroups = 4;
 constexpr int64_t kWeightRows = 4;
 constexpr int64_t kXBlock = 32;  // x is quantized (int8 design) and summed (float design) per 32 elements
 
+// Rows of x per chunk: each row's accumulators beside a block's unpacked weight vectors fill the 16
+// ymm registers of AVX2 at two rows, AVX-512's 32 at four.
+#if defined(__AVX512VL__)
+constexpr int kRowChunk = 4;
+#else
+constexpr int kRowChunk = 2;
+#endif
+
+// Rows of x quantized per 32 elements, as quantize_int8 stores them, from one row on: element e of block
+// i (row m's blocks at m * K / 32 on) is q[32 i + e]; scale[i], sum32[i], and sum16[2 i], sum16[2 i + 1].
+struct ActivationRows {
+  int64_t k;
+  const int8_t* q;
+  const float* scale;
+  const int32_t* sum16;
+  const float* sum32;
+};
+
 // `rows` rows of x (K each) quantized per 32 elements: q = round(x / scale), scale = max |x| / 127; the
 // sums of q per 16 elements (Q6_K's scale groups) and of the quantized x (scale * sum q) per 32.
 struct Activations {
@@ -36,6 +57,11 @@ struct Activations {
   std::vector<float> scale;
   std::vector<int32_t> sum16;
   std::vector<float> sum32;
+
+  ActivationRows from_row(int64_t m) const {
+    const int64_t b = m * k / kXBlock;
+    return {k, q.data() + b * kXBlock, scale.data() + b, sum16.data() + 2 * b, sum32.data() + b};
+  }
 };
 
 inline __m256 load8_float(const float* p) { return _mm256_loadu_ps(p); }
@@ -111,7 +137,7 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 // each of the M rows: acc[m] collects the integer products with both scales applied, per lane; corr[m]
 // the terms of the block's offsets (Q4_0's 8, Q4_1's min, ...), which multiply the sum of x.
 template <typename Block, int M>
-inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256* acc, float* corr) {
+inline void block_dot(const uint8_t* b, const ActivationRows& x, int64_t xb, __m256* acc, float* corr) {
   const int64_t xblocks = x.k / kXBlock;
   if constexpr (std::is_same_v<Block, quant::Q8_0>) {
     const float d = quant::half_to_float(b);
@@ -119,7 +145,7 @@ inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256
     const __m256i w_abs = _mm256_sign_epi8(w, w);
     for (int m = 0; m < M; ++m) {
       const int64_t i = m * xblocks + xb;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kXBlock));
       const __m256i p = dot_u8s8(w_abs, _mm256_sign_epi8(xq, w));
       acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(p), acc[m]);
     }
@@ -133,7 +159,7 @@ inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256
                             : quant::nibbles32(b + (kMin ? 4 : 2));
     for (int m = 0; m < M; ++m) {
       const int64_t i = m * xblocks + xb;
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kXBlock));
       acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[m]);
       corr[m] += offset * x.sum32[i];
     }
@@ -148,7 +174,7 @@ inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256
         quant::scale_min(b + 4, 2 * j2 + h, sc, mn);
         for (int m = 0; m < M; ++m) {
           const int64_t i = m * xblocks + xb + 2 * j2 + h;
-          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kXBlock));
           acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(sc) * x.scale[i]),
                                    _mm256_cvtepi32_ps(dot_u8s8(q[h], xq)), acc[m]);
           corr[m] -= dmin * static_cast<float>(mn) * x.sum32[i];
@@ -174,7 +200,7 @@ inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256
         const __m256i group_scales = _mm256_set_m128i(_mm_set1_epi16(scales[g + 1]), _mm_set1_epi16(scales[g]));
         for (int m = 0; m < M; ++m) {
           const int64_t i = m * xblocks + xb + 4 * h + t;
-          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + i * kXBlock));
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kXBlock));
           const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), group_scales);
           const float dx = d * x.scale[i];
           acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc[m]);
@@ -185,9 +211,9 @@ inline void block_dot(const uint8_t* b, const Activations& x, int64_t xb, __m256
   }
 }
 
-// Rows n .. n+R-1 of y (float32 [M, n_total]) for all M rows of x.
+// Rows n .. n+R-1 of y (float32 [M, n_total]) for the M rows of x.
 template <typename Block, int M, int R>
-inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const Activations& x, float* y, int64_t n, int64_t n_end,
+inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const ActivationRows& x, float* y, int64_t n, int64_t n_end,
                       int64_t n_total) {
   __m256 acc[R][M];
   float corr[R][M];
@@ -208,13 +234,30 @@ inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const Activations& x,
     for (int m = 0; m < M; ++m) y[m * n_total + n + r] = reduce_add(acc[r][m]) + corr[r][m];
 }
 
-template <typename Block, int M>
-void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, float* y, int64_t n_total) {
+// fn(m, std::integral_constant<int, M>{}) for the chunks of x's `rows` rows: m the chunk's first row, M
+// its row count as a compile-time constant (kRowChunk, then fewer for the last).
+template <typename Fn>
+inline void for_row_chunks(int64_t rows, Fn&& fn) {
+  int64_t m = 0;
+  for (; m + kRowChunk <= rows; m += kRowChunk) fn(m, std::integral_constant<int, kRowChunk>{});
+  [&]<int... Ms>(std::integer_sequence<int, Ms...>) {
+    ((rows - m == Ms + 1 ? fn(m, std::integral_constant<int, Ms + 1>{}) : void()), ...);
+  }(std::make_integer_sequence<int, kRowChunk - 1>{});
+}
+
+template <typename Block>
+void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int64_t rows, float* y, int64_t n_total) {
   at::parallel_for(0, n_total, 64, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    for (; n + kWeightRows <= end; n += kWeightRows)
-      gemv_rows<Block, M, kWeightRows>(w, row_bytes, x, y, n, end, n_total);
-    for (; n < end; ++n) gemv_rows<Block, M, 1>(w, row_bytes, x, y, n, end, n_total);
+    for (int64_t n = begin; n < end; n += kWeightRows) {
+      for_row_chunks(rows, [&](int64_t m, auto chunk) {
+        constexpr int M = decltype(chunk)::value;
+        if (n + kWeightRows <= end)
+          gemv_rows<Block, M, kWeightRows>(w, row_bytes, x.from_row(m), y + m * n_total, n, end, n_total);
+        else
+          for (int64_t r = n; r < end; ++r)
+            gemv_rows<Block, M, 1>(w, row_bytes, x.from_row(m), y + m * n_total, r, end, n_total);
+      });
+    }
   });
 }
 
@@ -226,7 +269,7 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, floa
 //
 // The M rows of x times group block row `group` (all its blocks) into y.
 template <typename Group, int M>
-inline void row_group_rows(const uint8_t* group, const Activations& x, float* y, int64_t n_total, int64_t g) {
+inline void row_group_rows(const uint8_t* group, const ActivationRows& x, float* y, int64_t n_total, int64_t g) {
   constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;  // else Q4_0: offset -8 d
   const int64_t xblocks = x.k / kXBlock;
   const __m256i mask = _mm256_set1_epi8(0xF);
@@ -245,7 +288,7 @@ inline void row_group_rows(const uint8_t* group, const Activations& x, float* y,
     }
     for (int m = 0; m < M; ++m) {
       const int64_t i = m * xblocks + b;
-      const int8_t* xq = x.q.data() + i * kXBlock;
+      const int8_t* xq = x.q + i * kXBlock;
       __m256i sum = _mm256_setzero_si256();  // int32 lanes with VNNI, else int16 pairs
       for (int t = 0; t < 8; ++t) {
         int32_t four;
@@ -269,18 +312,15 @@ inline void row_group_rows(const uint8_t* group, const Activations& x, float* y,
     _mm256_storeu_ps(y + m * n_total + g * Group::kRows, _mm256_add_ps(acc[m], acc_offset[m]));
 }
 
-// Every row of x (1 to kGemvMaxRows = 2: two rows' accumulators and a block's eight unpacked weight
-// vectors fill the 16 AVX2 registers); each thread takes whole groups.
+// Every row of x, kRowChunk at a time over each group; each thread takes whole groups.
 template <typename Group>
 void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, float* y,
                       int64_t n_total) {
   at::parallel_for(0, n_total / Group::kRows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      if (rows == 2)
-        row_group_rows<Group, 2>(w + g * group_bytes, x, y, n_total, g);
-      else
-        row_group_rows<Group, 1>(w + g * group_bytes, x, y, n_total, g);
-    }
+    for (int64_t g = begin; g < end; ++g)
+      for_row_chunks(rows, [&](int64_t m, auto chunk) {
+        row_group_rows<Group, decltype(chunk)::value>(w + g * group_bytes, x.from_row(m), y + m * n_total, n_total, g);
+      });
   });
 }
 
@@ -296,19 +336,16 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type) {
     const int64_t k = quant::columns_of<Block>(blocks), rows = x.size(0);
     const int64_t n = blocks.size(0) * quant::rows_per_stored_row<Block>();
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
-    TORCH_CHECK(rows >= 1 && rows <= kGemvMaxRows, "quant_gemv takes 1 to ", kGemvMaxRows, " rows, got ", rows);
+    TORCH_CHECK(rows >= 1, "quant_gemv takes one row or more, got ", rows);
     x = x.contiguous();
     Activations acts;
     KVSERVE_DISPATCH(x.scalar_type(), [&] { acts = quantize_int8(raw<scalar_t>(x), rows, k); });
     auto y = at::empty({rows, n}, x.options().dtype(at::kFloat));
     const uint8_t* w = blocks.data_ptr<uint8_t>();
-    if constexpr (kGroups) {
+    if constexpr (kGroups)
       row_group_kernel<Block>(w, blocks.size(1), acts, rows, y.data_ptr<float>(), n);
-    } else if (rows == 1) {
-      gemv_kernel<Block, 1>(w, blocks.size(1), acts, y.data_ptr<float>(), n);
-    } else {
-      gemv_kernel<Block, 2>(w, blocks.size(1), acts, y.data_ptr<float>(), n);
-    }
+    else
+      gemv_kernel<Block>(w, blocks.size(1), acts, rows, y.data_ptr<float>(), n);
     return y.to(x.scalar_type());
   });
 #else

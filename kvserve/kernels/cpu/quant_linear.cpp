@@ -179,10 +179,19 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
   });
 }
 
-at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type) {
+// Where the int8 GEMV's cost, which grows with each row, passes the panel product's, which is mostly the
+// fixed cost of dequantizing W: on row groups (eight rows' scales and sums per vector) far later than on
+// GGML's layout (a horizontal sum and scalar scales per weight row and row of x). Measured on Zen 4
+// (benchmarks/RESULTS.md, "int8 decode batches"): row groups cross at 64-128 rows, GGML's at 8-16.
+int64_t int8_max_rows(int64_t type) {
+  return quant::visit_kernel_type(
+      type, [](auto block) -> int64_t { return quant::rows_per_stored_row<decltype(block)>() > 1 ? 64 : 8; });
+}
+
+at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step) {
   // Where quant_gemv does not build (no AVX2), no weights stay in blocks: quantized_linear.py probes it.
-  const int64_t rows = x.size(0);
-  return rows >= 1 && rows <= kGemvMaxRows ? quant_gemv(x, blocks, type) : quant_linear(x, blocks, type);
+  const int64_t rows = x.size(0), most = decode_step ? int8_max_rows(type) : kGemvMaxRows;
+  return rows >= 1 && rows <= most ? quant_gemv(x, blocks, type) : quant_linear(x, blocks, type);
 }
 
 }  // namespace kvserve
