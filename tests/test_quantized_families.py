@@ -66,10 +66,12 @@ def test_mixed_fused_parts_stay_in_their_blocks(quantized_gguf):
         torch.testing.assert_close(getattr(layer, name).dequantize(), getattr(dense_layer, name), rtol=0, atol=0)
 
 
-def test_prompt_logprobs_over_the_blocks_are_the_dequantized_engines(quantized_gguf):
-    """Every position of a 73-token sequence through the panel product: the family's whole layer
-    (fused parts in order, q/k rows un-permuted, biases, head norms) over the blocks."""
-    sequence = PROMPTS[2] + PROMPTS[1] + list(range(3, 15))
+@pytest.mark.parametrize("length", [73, 6], ids=["73 tokens", "6 tokens"])
+def test_prompt_logprobs_over_the_blocks_are_the_dequantized_engines(quantized_gguf, length: int):
+    """Every position of a prompt through the panel product: the family's whole layer (fused parts in
+    order, q/k rows un-permuted, biases, head norms) over the blocks. A prompt as short as a verify step
+    (6 rows) is still a prefill: exact, not on the int8 GEMV."""
+    sequence = (PROMPTS[2] + PROMPTS[1] + list(range(3, 15)))[:length]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     entries = {}
     for quantization in ("auto", "none"):

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.kernels.attention import DECODE_MAX_QUERY_LEN
 from kvserve.kernels.backends import AttentionBackend
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.huge_pages import empty_on_huge_pages
@@ -54,6 +53,7 @@ class Span:
     start: int
     block_table: list[int]
     num_logits: int  # trailing rows whose logits are needed
+    decoding: bool  # the tokens follow generated ones (decode, verify, draft rows), not the prompt's
 
 
 def spans_of(sched: SchedulerOutput) -> list[Span]:
@@ -64,7 +64,7 @@ def spans_of(sched: SchedulerOutput) -> list[Span]:
         start = seq.num_computed_tokens
         tokens = seq.token_ids[start : start + item.num_new_tokens]
         tokens += seq.spec_tokens[: item.num_new_tokens - len(tokens)]
-        spans.append(Span(tokens, start, seq.block_table, item.num_logits))
+        spans.append(Span(tokens, start, seq.block_table, item.num_logits, decoding=not seq.in_prefill))
     return spans
 
 
@@ -106,7 +106,7 @@ class ModelRunner:
             seq_lens_host=seq_lens.tolist(),
             block_size=bs,
         )
-        with decode_step(meta.max_query_len <= DECODE_MAX_QUERY_LEN):
+        with decode_step(all(span.decoding for span in spans)):
             hidden = self.model.forward(
                 torch.tensor(tokens, dtype=torch.int64, device=device),
                 torch.from_numpy(positions).to(device),

@@ -24,7 +24,7 @@ from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear import AMX_MAX_ROWS, KernelLinear, LinearFn, gemv_kernels
 from kvserve.model.quantized import QuantizedTensor
-from kvserve.model.quantized_linear import QuantizedLinear, quantized_kernels
+from kvserve.model.quantized_linear import QuantizedLinear, in_decode_step, quantized_kernels
 from kvserve.model.weights import LayerWeights, Weight
 
 if TYPE_CHECKING:
@@ -99,5 +99,5 @@ class CompiledDecodeStep:
             [tensor for group in tiles for tensor in group], self.block_types[: 4 * num_layers],
             model.final_norm, cfg.rms_norm_eps, positions, model.rope_cos, model.rope_sin, kv_cache, slot_mapping,
             meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), model.scale,
-            cfg.num_heads, cfg.num_kv_heads, self.windows[:num_layers],
+            cfg.num_heads, cfg.num_kv_heads, self.windows[:num_layers], in_decode_step(),
         )  # fmt: skip

@@ -3,7 +3,8 @@ quantized kernels (kernels/cpu/quant_*.cpp).
 
 `quant_product` chooses the kernel (the compiled decode step calls the same): `quant_gemv` streams the
 blocks once with x quantized to int8 per 32 elements, for up to GEMV_MAX_ROWS rows, or in a decode step
-(`decode_step`) up to `int8_max_rows` (64 on row groups, 8 in GGML's layout); more rows, and prefill
+(`decode_step`: every row follows generated tokens) up to `int8_max_rows` (64 on row groups, 8 in GGML's
+layout); more rows, and prefill
 steps, take `quant_linear`, which dequantizes a panel of weight rows into a tile in cache and multiplies
 every row with it, exactly up to the order of the sums. The weights are read once per product at their
 quantized size either way. A prefill's KV serves every later token of its request, so it stays exact; a
@@ -39,13 +40,19 @@ _decode_step: ContextVar[bool] = ContextVar("decode_step", default=False)
 
 @contextlib.contextmanager
 def decode_step(active: bool) -> Iterator[None]:
-    """Within it, quantized products take the rows of a decode step (every query a few tokens, as the
-    runner judges it: decode and verify steps) where `active`, a prefill step's otherwise."""
+    """Within it, quantized products take the rows of a decode step where `active` (the runner's
+    judgement: every row follows generated tokens, as in decode, verify and draft passes), a prefill
+    step's otherwise."""
     token = _decode_step.set(active)
     try:
         yield
     finally:
         _decode_step.reset(token)
+
+
+def in_decode_step() -> bool:
+    """Whether the model call at hand is a decode step (`decode_step`)."""
+    return _decode_step.get()
 
 
 @functools.cache
@@ -72,7 +79,7 @@ class QuantizedLinear:
     silu_mul: LinearFn | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.quant_product(x, self.weight.blocks, self.weight.kernel_type, _decode_step.get())
+        y = self.kernels.quant_product(x, self.weight.blocks, self.weight.kernel_type, in_decode_step())
         return y if self.silu_mul is None else self.silu_mul(y)
 
 

@@ -35,7 +35,7 @@ class DraftModelProposer:
     def observe(self, spans: list[Span]) -> None:
         """Compute the draft's K/V for everything the target just computed (mirrored cache only)."""
         if self.mirrors_target:
-            self.runner.execute([Span(s.tokens, s.start, s.block_table, 0) for s in spans])
+            self.runner.execute([Span(s.tokens, s.start, s.block_table, 0, s.decoding) for s in spans])
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """Up to ks[i] draft tokens for each sequence, whose blocks already cover the drafted positions."""
@@ -48,7 +48,7 @@ class DraftModelProposer:
                 seq = seqs[i]
                 start = seq.num_tokens - 1 + step  # the last accepted token, then each new draft
                 feed = seq.token_ids[-1] if step == 0 else tokens[i][-1]
-                spans.append(Span([feed], start, seq.block_table, 1))
+                spans.append(Span([feed], start, seq.block_table, 1, decoding=True))
             logits = self.runner.execute(spans, num_layers=self.num_layers)
             q = policy_probs(logits, [seqs[i].params for i in active])
             for row, i in enumerate(active):

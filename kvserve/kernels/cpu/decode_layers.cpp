@@ -20,10 +20,10 @@ namespace {
 // then the packed `tiles` on linear_amx, or on linear_tiles_fma where the CPU has no AMX. `gated` (W = [gate;
 // up]): silu(gate) * up.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* tiles, int64_t block_type,
-                   bool gated) {
+                   bool gated, bool decode_step) {
   at::Tensor y;
   if (block_type >= 0) {
-    y = quant_product(x, weight, block_type, /*decode_step=*/true);
+    y = quant_product(x, weight, block_type, decode_step);
   } else if (x.size(0) <= kGemvMaxRows) {
     y = gemv_bf16(x, weight);
   } else {
@@ -39,7 +39,7 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
                          std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
                          at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
                          at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv, std::vector<int64_t> windows) {
+                         int64_t hkv, std::vector<int64_t> windows, bool decode_step) {
   RECORD_FUNCTION("kvserve::decode_layers", {});  // named in torch profiler traces
   TORCH_CHECK(!layers.empty() && layers.size() % kTensorsPerLayer == 0, "layers must hold ", kTensorsPerLayer,
               " tensors per layer");
@@ -60,7 +60,7 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vect
   auto product = [&](const at::Tensor& x, int64_t layer, int64_t which) {
     const at::Tensor* packed = tiles.empty() ? nullptr : &tiles[layer * kTilesPerLayer + which];
     const int64_t block_type = block_types.empty() ? -1 : block_types[layer * kTilesPerLayer + which];
-    return project(x, weight(layer, which), packed, block_type, which == 2);
+    return project(x, weight(layer, which), packed, block_type, which == 2, decode_step);
   };
   at::Tensor x = add_rms_norm(h, c10::nullopt, weight(0, 4), eps, dtype);
   for (int64_t i = 0; i < num_layers; ++i) {

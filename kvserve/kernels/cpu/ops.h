@@ -47,7 +47,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 // process's probe, kvserve/model/linear.py, sets it with its choice); returns the previous setting.
 bool set_fma_products(bool enabled);
 // x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, or
-// in a decode step (every query a few tokens: decode_step) up to int8_max_rows(type); else quant_linear.
+// in a decode step (every row follows generated tokens: decode, verify, draft) up to int8_max_rows(type);
+// else quant_linear.
 // Prefill steps stay exact: int8 activations there move the engine's greedy tokens off the dequantized
 // engine's (benchmarks/RESULTS.md, "Row groups"), and the KV they write serves every later token; a
 // decode step's rows each make one token, as batch 1's always have ("int8 decode batches").
@@ -57,11 +58,12 @@ at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool dec
 // `block_types`: none (every projection a bf16 matrix), or per layer the GGML block type of each of the
 // four projections (or its row-group type), whose tensors are then their blocks (quant_product multiplies them).
 // The activations are in the KV cache's dtype. `windows`: per layer its sliding window in keys, 0 for none.
+// `decode_step`: quant_product's, whether every row follows generated tokens (a short prefill runs here too).
 constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
                          std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
                          at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
                          at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv, std::vector<int64_t> windows);
+                         int64_t hkv, std::vector<int64_t> windows, bool decode_step);
 
 }  // namespace kvserve
