@@ -22,8 +22,8 @@ namespace {
 
 using namespace tiles_fma;
 
-// Rows m0 .. m0 + R - 1 of x (float32, row stride k) times column blocks 2 * pair and 2 * pair + 1,
-// stored as y's rows (bf16, n columns; gated: n / 2).
+// Rows m0 .. m0 + R - 1 of x (bf16 or float32, as the register block reads it; row stride k) times
+// column blocks 2 * pair and 2 * pair + 1, stored as y's rows (bf16, n columns; gated: n / 2).
 template <int R, typename X>
 void block_product(const X* x, const uint16_t* packed, int64_t k, int64_t m0, int64_t pair, int64_t n, bool gated,
                    uint16_t* y) {
