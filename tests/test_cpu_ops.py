@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kvserve.kernels import cpu
 from kvserve.kernels.attention_cpu import cpu_attention
-from kvserve.kernels.attention_ref import paged_reference_attention, random_paged_inputs
+from kvserve.kernels.attention_ref import climbing_score_inputs, paged_reference_attention, random_paged_inputs
 from kvserve.model import linear
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import TorchLayerOps, layer_ops_for
@@ -250,18 +250,9 @@ def test_amx_attention_matches_the_oracle_and_the_vector_kernel(amx, query_lens,
 @pytest.mark.parametrize("query_lens", [[1, 2], [40, 100]], ids=["row by row", "across rows"])
 def test_amx_attention_rescales_when_later_keys_score_higher(amx, query_lens) -> None:
     """Scores that climb along the sequence move the running max after the first step, by more than
-    the lazy-rescale threshold: the stored output must be rescaled, or the late keys would dominate
-    by a factor of e^(their lead) too much (or overflow). Decode-sized chunks take the softmax row by
+    the lazy-rescale threshold (climbing_score_inputs). Decode-sized chunks take the softmax row by
     row, prefill chunks across rows."""
-    q, k, v, meta = random_paged_inputs(query_lens, [300, 200], 9, 3, 64, 16, torch.bfloat16, seed=11)
-    q = torch.ones_like(q)
-    positions = torch.arange(16, dtype=torch.float32).repeat(k.shape[0], 1)
-    block_order = torch.zeros(k.shape[0])
-    for table, length in zip(meta.block_tables.tolist(), meta.seq_lens.tolist(), strict=True):
-        for i, block in enumerate(table[: -(-length // 16)]):
-            block_order[block] = i
-    key_position = (block_order[:, None] * 16 + positions) / 10  # score ~ 6.4 * position / 10 along each sequence
-    k = (key_position[:, :, None, None] * torch.ones(1, 1, 3, 64) / 64).to(torch.bfloat16)
+    q, k, v, meta = climbing_score_inputs(query_lens, [300, 200])
     ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 1.0, torch.float64)
     out = cpu_attention(q, k, v, meta, 1.0).double()
     assert torch.isfinite(out).all()

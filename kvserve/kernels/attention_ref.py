@@ -100,3 +100,22 @@ def random_paged_inputs(
     v = torch.randn(shape, generator=gen).to(dtype)
     q = torch.randn((sum(query_lens), num_q_heads, head_dim), generator=gen).to(dtype)
     return q, k, v, meta
+
+
+def climbing_score_inputs(
+    query_lens: list[int], seq_lens: list[int], seed: int = 11
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """random_paged_inputs (9 query heads, 3 KV heads of 64, blocks of 16, bf16) with q all ones and keys
+    whose score q.k climbs along each sequence by 0.1 per key (times the caller's scale): a kernel that
+    rescales its softmax lazily must move its reference max again and again, or the late keys would
+    dominate by e^(their lead) too much, or overflow."""
+    q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed)
+    q = torch.ones_like(q)
+    positions = torch.arange(16, dtype=torch.float32).repeat(k.shape[0], 1)
+    block_order = torch.zeros(k.shape[0])
+    for table, length in zip(meta.block_tables.tolist(), meta.seq_lens.tolist(), strict=True):
+        for i, block in enumerate(table[: div_ceil(length, 16)]):
+            block_order[block] = i
+    key_position = (block_order[:, None] * 16 + positions) / 10
+    k = (key_position[:, :, None, None] * torch.ones(1, 1, 3, 64) / 64).to(torch.bfloat16)
+    return q, k, v, meta

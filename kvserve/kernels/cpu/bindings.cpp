@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
   m.def("set_amx_attention", &set_amx_attention,
         "allow decode_attention's AMX kernel (default); returns the old value");
+  m.def("set_bf16_attention", &set_bf16_attention,
+        "allow decode_attention's AVX512-BF16 kernel (default); returns the old value");
   m.def("amx_available", &amx_permitted, "whether the AMX kernels (attention, linear_amx) can run here");
   m.def("amx_attention_applies", &amx_attention_applies, "whether decode_attention runs these q/cache on AMX");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");

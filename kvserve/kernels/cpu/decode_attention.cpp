@@ -16,7 +16,9 @@ namespace kvserve {
 // q: [T, Hq, D], last dim contiguous (any row stride). caches: [num_blocks, block_size, Hkv, D]
 // contiguous. block_tables [B, W], seq_lens [B], cu_seqlens_q [B+1]: int64 (kernels/metadata.py).
 // seq_ids: which sequences to process. out: [>= T, Hq, D] contiguous; only their rows are written.
-// bf16 caches go to the AMX kernel (decode_attention_amx.cpp) where the CPU has it and the shapes fit.
+// bf16 caches go to the AMX kernel (decode_attention_amx.cpp) where the CPU has it and the shapes fit,
+// else to the AVX512-BF16 one (decode_attention_bf16.cpp) where the build has it; this kernel takes the
+// rest (float32 caches; bf16 on AVX2 and plain builds), its products in float32 over widened tiles.
 
 #ifdef __AVX2__
 // Lane j of the result is the sum of the 8 lanes of v[j]: 6 horizontal adds, 2 lane swaps and an add.
@@ -56,53 +58,6 @@ inline void float_tile_scores(const float* __restrict q, const float* __restrict
     for (int64_t i = 0; i < dim; ++i) sum += q[i] * k[j * dim + i];
     scores[j] = sum;
   }
-}
-
-#ifdef __AVX512BF16__
-// Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree of 45 shuffles
-// and adds for all sixteen, where sixteen separate horizontal sums cost ~130.
-inline __m512 sum_lanes_of_each(const __m512 (&v)[16]) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of four vectors, in order
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 2; ++i) {  // the four 128-bit lanes summed in pairs
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// scores[j] = q . k_j for the first nkeys keys of a tile, bf16 straight from the cache (keys
-// `key_stride` elements apart): pairwise bf16 products are exact in float32 and summed in float32.
-inline void bf16_tile_scores(const uint16_t* __restrict q, const uint16_t* __restrict k, int64_t key_stride,
-                             int64_t nkeys, int64_t dim, float* __restrict scores) {
-  __m512 acc[kTile];
-  for (int64_t j = 0; j < kTile; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < nkeys; ++j) {  // keys past nkeys may lie outside the cache: never read
-    for (int64_t i = 0; i < dim; i += 32) {
-      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(q + i),
-                                (__m512bh)_mm512_loadu_si512(k + j * key_stride + i));
-    }
-  }
-  _mm512_storeu_ps(scores, sum_lanes_of_each(acc));
-}
-#endif
-
-// Whether scores come from bf16_tile_scores (bf16 cache, AVX512-BF16, whole 32-element pairs) or
-// from float32 dot products over a widened copy of the K tile.
-template <typename T>
-inline bool bf16_scores(int64_t dim) {
-#ifdef __AVX512BF16__
-  return std::is_same_v<T, uint16_t> && dim % 32 == 0;
-#else
-  return false;
-#endif
 }
 
 // V rows and the accumulators are padded to a multiple of this many floats (one AVX-512 register)
@@ -184,7 +139,6 @@ void regroup_tile(const Src* __restrict src, int64_t key_stride, int64_t nkeys, 
 template <typename T>
 void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_cache, T* out) {
   const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
-  const bool bf16_dot = bf16_scores<T>(dim);
   const int64_t width = padded_width(dim);
   // A work item is one sequence and `heads` of its KV heads. Whole sequences (all heads) read each
   // tile's K/V rows as one contiguous run, faster with the cache cold, as it is between a step's layers,
@@ -194,15 +148,13 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
   const int64_t items_per_seq = hkv / heads;
   at::parallel_for(0, p.num_seqs * items_per_seq, 1, [=](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
-    // This item's tile, regrouped [head][key][d]: V widened (padding stays 0), K widened or, for the
-    // bf16 dot product, copied.
+    // This item's tile, regrouped [head][key][d] and widened (V's padding stays 0).
     std::vector<float> qf, acc, m, l, kf(heads * kTile * dim), vf(heads * kTile * width, 0.f);
-    std::vector<T> kb(heads * kTile * dim);
     std::vector<const T*> q_rows;
     // per row: first and last key it may see; of this tile's keys, the first it sees and one past its last
     std::vector<int64_t> first_key, last_key, tile_first, visible;
-    std::vector<float> probs, alpha;  // per row: [kTile] scores, then probabilities; rescale factor
-    PacedPrefetch<T> prefetch;        // the next tile's K/V rows
+    std::vector<float> probs, alpha;         // per row: [kTile] scores, then probabilities; rescale factor
+    PacedPrefetch<T, _MM_HINT_T0> prefetch;  // the next tile's K/V rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / items_per_seq], first_head = item % items_per_seq * heads;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
@@ -222,7 +174,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
       for (int64_t r = 0; r < nrows; ++r) {
         const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
         q_rows[r] = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
-        if (!bf16_dot) regroup_tile(q_rows[r], 0, 1, 1, dim, dim, &qf[r * dim]);
+        regroup_tile(q_rows[r], 0, 1, 1, dim, dim, &qf[r * dim]);
         last_key[r] = slen - qlen + row.token;  // causal: the row sees keys up to its own position
         first_key[r] = first_visible_key(last_key[r], p.window);
       }
@@ -241,11 +193,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
           const int64_t tile_at = (block_base + tile) * key_len + first_head * dim;
           regroup_tile(v_cache + tile_at, key_len, nkeys, heads, dim, width, vf.data());
           prefetch.issue(kPrefetchBatch);
-          if (bf16_dot) {
-            regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kb.data());
-          } else {
-            regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kf.data());
-          }
+          regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kf.data());
           for (int64_t head = 0; head < heads; ++head) {
             prefetch.issue(kPrefetchBatch);
             const int64_t r0 = head * head_rows, k0 = head * kTile * dim;
@@ -257,15 +205,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
                 continue;
               }
               float* scores = &probs[r * kTile];
-#ifdef __AVX512BF16__
-              if (bf16_dot) {
-                bf16_tile_scores(reinterpret_cast<const uint16_t*>(q_rows[r]),
-                                 reinterpret_cast<const uint16_t*>(&kb[k0]), dim, visible[r], dim, scores);
-              }
-#endif
-              if (!bf16_dot) {
-                float_tile_scores(&qf[r * dim], &kf[k0], visible[r], dim, scores);
-              }
+              float_tile_scores(&qf[r * dim], &kf[k0], visible[r], dim, scores);
               alpha[r] = softmax_tile(scores, tile_first[r], visible[r], p.scale, m[r], l[r]);
             }
             accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows, width,
@@ -316,6 +256,10 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   KVSERVE_DISPATCH(q.scalar_type(), [&] {
     if (amx_decode_supported(problem) && decode_attention_amx(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache),
                                                               raw<scalar_t>(v_cache), raw<scalar_t>(out))) {
+      return;
+    }
+    if (decode_attention_bf16(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
+                              raw<scalar_t>(out))) {
       return;
     }
     decode_attention_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),

@@ -78,40 +78,54 @@ inline float softmax_tile(float* __restrict scores, int64_t first, int64_t visib
 // boundary. Why a few at a time: a core has ~16 line-fill buffers, and the 128-384 prefetches of a tile
 // asked for at once held the core until most of them had been sent, so the kernel's memory reads and its
 // arithmetic ran one after the other (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
-template <typename T>
+// Hint: the cache level asked for (_MM_HINT_T0: L1; _MM_HINT_T1: L2), the one measured best for each kernel.
+template <typename T, _mm_hint Hint>
 class PacedPrefetch {
  public:
   // Plans keys key .. min(key + nkeys, keys_end) - 1 of the sequence with block table `table`, the rows of
-  // `heads` KV heads from `first_head`, replacing what is left of the previous plan.
+  // `heads` KV heads from `first_head`, replacing what is left of the previous plan: one run of rows per
+  // cache block, walked line by line as they are asked for (no list of lines is built).
   void plan(const DecodeProblem& p, const int64_t* table, int64_t key, int64_t nkeys, int64_t keys_end,
             const T* k_cache, const T* v_cache, int64_t first_head, int64_t heads) {
-    count_ = next_ = 0;
-    const int64_t key_len = p.hkv * p.dim, row_bytes = heads * p.dim * static_cast<int64_t>(sizeof(T));
-    const int64_t end = std::min(key + nkeys, keys_end);
-    while (key < end) {  // runs of keys inside one block: one table look-up (and division) per run
+    count_ = run_ = row_ = offset_ = 0;
+    pairs_left_ = kMaxLines / 2;
+    key_bytes_ = p.hkv * p.dim * static_cast<int64_t>(sizeof(T));
+    row_bytes_ = heads * p.dim * static_cast<int64_t>(sizeof(T));
+    const int64_t key_len = p.hkv * p.dim, end = std::min(key + nkeys, keys_end);
+    while (key < end && count_ < kMaxRuns) {  // runs of keys inside one block: one table look-up per run
       const int64_t in_block = key % p.block_size, run = std::min(p.block_size - in_block, end - key);
       const int64_t first = (table[key / p.block_size] * p.block_size + in_block) * key_len + first_head * p.dim;
-      for (int64_t j = 0; j < run; ++j) {
-        const char* k_row = reinterpret_cast<const char*>(k_cache + first + j * key_len);
-        const char* v_row = reinterpret_cast<const char*>(v_cache + first + j * key_len);
-        for (int64_t b = 0; b < row_bytes && count_ + 2 <= kMaxLines; b += 64) {
-          lines_[count_++] = k_row + b;
-          lines_[count_++] = v_row + b;
-        }
-      }
+      runs_[count_++] = {reinterpret_cast<const char*>(k_cache + first), reinterpret_cast<const char*>(v_cache + first),
+                         run};
       key += run;
     }
   }
-  // Asks for the next `n` lines of the plan (all that are left with n < 0).
+  // Asks for the next `n` lines of the plan, a K line and its V line in turn (all that are left with n < 0).
   void issue(int64_t n) {
-    const int64_t end = n < 0 ? count_ : std::min(count_, next_ + n);
-    for (; next_ < end; ++next_) _mm_prefetch(lines_[next_], _MM_HINT_T0);
+    for (int64_t asked = 0; (n < 0 || asked < n) && run_ < count_ && pairs_left_ > 0; asked += 2, --pairs_left_) {
+      const int64_t at = row_ * key_bytes_ + offset_;
+      _mm_prefetch(runs_[run_].k + at, Hint);
+      _mm_prefetch(runs_[run_].v + at, Hint);
+      offset_ += 64;
+      if (offset_ >= row_bytes_) {  // the row's last line: on to the next key, or the next run
+        offset_ = 0;
+        if (++row_ == runs_[run_].rows) {
+          row_ = 0;
+          ++run_;
+        }
+      }
+    }
   }
 
  private:
   static constexpr int64_t kMaxLines = 512;  // a plan past this (long rows) asks for its first lines only
-  const char* lines_[kMaxLines];
-  int64_t count_ = 0, next_ = 0;
+  static constexpr int64_t kMaxRuns = 64;    // a plan of more keys than this, one per block, stops there
+  struct Run {
+    const char *k, *v;  // the run's first key's rows
+    int64_t rows;       // keys, key_bytes_ apart
+  };
+  Run runs_[kMaxRuns];
+  int64_t count_ = 0, run_ = 0, row_ = 0, offset_ = 0, pairs_left_ = 0, key_bytes_ = 0, row_bytes_ = 0;
 };
 
 // The AMX kernel (decode_attention_amx.cpp), for bf16 caches where amx_decode_supported says the
@@ -120,6 +134,15 @@ bool amx_decode_supported(const DecodeProblem& p);
 bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                           uint16_t* out);
 inline bool decode_attention_amx(const DecodeProblem&, const float*, const float*, const float*, float*) {
+  return false;
+}
+
+// The AVX512-BF16 kernel (decode_attention_bf16.cpp), for bf16 caches: false, having computed nothing,
+// where the build lacks AVX512-BF16, the head dim is not a multiple of 32 or set_bf16_attention is off. The float32
+// overload computes nothing and returns false.
+bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                           uint16_t* out);
+inline bool decode_attention_bf16(const DecodeProblem&, const float*, const float*, const float*, float*) {
   return false;
 }
 

@@ -275,7 +275,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
     alignas(64) uint32_t query_t[kMaxDim / 2 * kChunkRows];   // [dim pair][row] bf16 pairs
     alignas(64) float m[kChunkRows], l[kChunkRows], alpha[kChunkRows];
     alignas(64) int32_t last_key[kChunkRows];
-    PacedPrefetch<uint16_t> prefetch;
+    PacedPrefetch<uint16_t, _MM_HINT_T0> prefetch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = p.seq_ids[item / hkv], head = item % hkv;
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];

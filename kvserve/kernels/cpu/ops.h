@@ -18,6 +18,9 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
 // Whether decode_attention may use the AMX kernel where it applies (the default); returns the previous
 // setting. For tests and benchmarks that compare it with the AVX-512 kernel.
 bool set_amx_attention(bool enabled);
+// Whether decode_attention may use the AVX512-BF16 kernel where the build has it (the default); returns
+// the previous setting. For tests and benchmarks that compare it with the widened float32 kernel.
+bool set_bf16_attention(bool enabled);
 // Whether decode_attention runs q [T, Hq, D] over k_cache [blocks, block_size, Hkv, D] on the AMX
 // kernel (dtype, head dim and block size allowed, AMX available and enabled; a windowed layer never
 // does: see amx_decode_supported). That kernel also takes prefill rows, which the vector kernel is not

@@ -1,0 +1,282 @@
+// Decode attention on AVX512-BF16 (bf16 caches, CPUs without AMX or with it switched off):
+// decode_attention.cpp's tiled online softmax, with both products of a tile done by VDPBF16PS (bf16 pairs
+// multiplied exactly, summed in float32) on K and V as they lie in the cache:
+//   scores [row][key] = q_row . K [key]       sixteen keys' sums in registers, reduced together
+//   out [row][d]     += P [row][key] . V [key] V's keys paired by VPUNPCK{L,H}WD in registers; P rounded to
+//                                              bf16 as FlashAttention does (and decode_attention_amx.cpp),
+//                                              the row sums l kept in float32
+// Work items and the order of tiles are decode_attention.cpp's. What makes this kernel cheaper per tile,
+// and why it exists (figures: benchmarks/RESULTS.md, "Decode attention on AVX512-BF16"):
+// - nothing is copied: K and V are read from their cache blocks, keys past a tile's count by masked
+//   loads (zeros, no fault), so neither a regrouped nor a widened tile is written and read back;
+// - the softmax is rescaled lazily, as on AMX: each row's exponentials are taken against a reference max
+//   that moves only when a tile's max exceeds it by more than kRescaleAbove, so a tile costs no exp of
+//   its own and no pass over the row's output; the reference cancels in out / l;
+// - a tile's P.V keeps the output of up to kRowsPerPass rows in registers and pairs each two V rows once
+//   for all of them (a decode step's 3 query heads per KV head, in SmolLM2).
+#include "decode_attention.h"
+
+#include <atomic>
+
+namespace kvserve {
+
+namespace {
+std::atomic<bool> bf16_enabled{true};
+}  // namespace
+
+bool set_bf16_attention(bool enabled) { return bf16_enabled.exchange(enabled); }
+
+#ifdef __AVX512BF16__
+namespace {
+
+constexpr int64_t kPairDims = 32;     // bf16 elements of one 64-byte register: one V row's slice
+constexpr int64_t kRowsPerPass = 8;   // P.V rows held in registers at once: 2 per 32-dim slice, 16 in all
+constexpr float kRescaleAbove = 8.f;  // natural-log units: probabilities stay <= e^8 ~ 3e3
+// Prefetches asked for after each head's scores and after its P.V, the rest after the tile's last
+// head (PacedPrefetch, decode_attention.h), into L2: 48 lines into L2 were the best measured, 1.5x
+// faster than the best batch into L1 (figures: benchmarks/RESULTS.md, "Decode attention on AVX512-BF16").
+constexpr int64_t kPrefetchBatch = 48;
+
+// Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree of 45 shuffles
+// and adds for all sixteen, where sixteen separate horizontal sums cost ~130.
+inline __m512 sum_lanes_of_each(const __m512 (&v)[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of four vectors, in order
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {  // the four 128-bit lanes summed in pairs
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// All 32 lanes of key j's row where j < nkeys, none past it (a masked load reads nothing there).
+inline __mmask32 key_mask(int64_t j, int64_t nkeys) { return j < nkeys ? ~__mmask32{0} : __mmask32{0}; }
+
+// Lane j: q . k_j for a tile's keys (rows key_stride elements apart), 0 past nkeys. All kTile keys at
+// once, so their sums stay in registers.
+inline __m512 tile_scores(const uint16_t* __restrict q, const uint16_t* __restrict k, int64_t key_stride, int64_t nkeys,
+                          int64_t dim) {
+  __m512 acc[kTile];
+  for (int64_t j = 0; j < kTile; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += kPairDims) {
+    const __m512bh qi = (__m512bh)_mm512_loadu_si512(q + i);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kTile; ++j) {
+      const __m512i kj = _mm512_maskz_loadu_epi16(key_mask(j, nkeys), k + j * key_stride + i);
+      acc[j] = _mm512_dpbf16_ps(acc[j], qi, (__m512bh)kj);
+    }
+  }
+  return sum_lanes_of_each(acc);
+}
+
+// One row's softmax state: the reference max m (the largest score seen when it last moved) and the
+// lane-wise sum l of its exponentials; the output row lives in the item's accumulator rows.
+struct RowSoftmax {
+  float m = -1e30f;  // a finite floor: the first tile's rescale factor exp(m - max) is then 0, not NaN
+  __m512 l = _mm512_setzero_ps();
+};
+
+// The tile's probabilities for one row: exp(scale * score - m) in the lanes it sees, 0 elsewhere, written
+// as bf16 pairs (p_2i, p_2i+1) for VDPBF16PS and added to l in float32. Moves m, rescaling l and the
+// row's output, where the tile's max exceeds it by more than kRescaleAbove.
+inline void tile_probabilities(__m512 scores, __mmask16 seen, float scale, RowSoftmax& row, float* __restrict out_row,
+                               int64_t dim, uint32_t* __restrict p_pairs) {
+  const __m512 s = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
+  const float tile_max = _mm512_mask_reduce_max_ps(seen, s);
+  if (tile_max > row.m + kRescaleAbove) {
+    const __m512 alpha = _mm512_set1_ps(fast_exp(row.m - tile_max));
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm512_storeu_ps(out_row + d, _mm512_mul_ps(_mm512_loadu_ps(out_row + d), alpha));
+    row.l = _mm512_mul_ps(row.l, alpha);
+    row.m = tile_max;
+  }
+  const __m512 p = _mm512_maskz_mov_ps(seen, fast_exp(_mm512_sub_ps(s, _mm512_set1_ps(row.m))));
+  row.l = _mm512_add_ps(row.l, p);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs), (__m256i)_mm512_cvtneps_pbh(p));
+}
+
+// out[r] += sum_j p[r][j] v[j] for N rows (p_pairs: kTile / 2 pairs per row; out rows `dim` apart, in
+// pair order), V's keys rows key_stride apart, zeros past nkeys. Each two keys' rows are paired once per
+// 32-dim slice for all N rows, whose sums stay in registers across the tile.
+template <int64_t N>
+inline void accumulate_rows(const uint32_t* __restrict p_pairs, const uint16_t* __restrict v, int64_t key_stride,
+                            int64_t nkeys, int64_t dim, float* __restrict out) {
+  for (int64_t c = 0; c < dim; c += kPairDims) {
+    __m512 low[N], high[N];
+    for (int64_t r = 0; r < N; ++r) {
+      low[r] = _mm512_loadu_ps(out + r * dim + c);
+      high[r] = _mm512_loadu_ps(out + r * dim + c + 16);
+    }
+#pragma GCC unroll 8
+    for (int64_t pair = 0; pair < kTile / 2; ++pair) {
+      const uint16_t* first = v + 2 * pair * key_stride + c;
+      const __m512i a = _mm512_maskz_loadu_epi16(key_mask(2 * pair, nkeys), first);
+      const __m512i b = _mm512_maskz_loadu_epi16(key_mask(2 * pair + 1, nkeys), first + key_stride);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int64_t r = 0; r < N; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p_pairs[r * kTile / 2 + pair]));
+        low[r] = _mm512_dpbf16_ps(low[r], pr, lo);
+        high[r] = _mm512_dpbf16_ps(high[r], pr, hi);
+      }
+    }
+    for (int64_t r = 0; r < N; ++r) {
+      _mm512_storeu_ps(out + r * dim + c, low[r]);
+      _mm512_storeu_ps(out + r * dim + c + 16, high[r]);
+    }
+  }
+}
+
+// accumulate_rows over `rows` rows, kRowsPerPass at a time (the count a template argument, so the sums
+// are registers).
+inline void accumulate_tile(const uint32_t* p_pairs, const uint16_t* v, int64_t key_stride, int64_t nkeys, int64_t rows,
+                            int64_t dim, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+    const uint32_t* p = p_pairs + r0 * kTile / 2;
+    float* o = out + r0 * dim;
+    switch (std::min(kRowsPerPass, rows - r0)) {
+      case 1:
+        accumulate_rows<1>(p, v, key_stride, nkeys, dim, o);
+        break;
+      case 2:
+        accumulate_rows<2>(p, v, key_stride, nkeys, dim, o);
+        break;
+      case 3:
+        accumulate_rows<3>(p, v, key_stride, nkeys, dim, o);
+        break;
+      case 4:
+        accumulate_rows<4>(p, v, key_stride, nkeys, dim, o);
+        break;
+      case 5:
+        accumulate_rows<5>(p, v, key_stride, nkeys, dim, o);
+        break;
+      case 6:
+        accumulate_rows<6>(p, v, key_stride, nkeys, dim, o);
+        break;
+      case 7:
+        accumulate_rows<7>(p, v, key_stride, nkeys, dim, o);
+        break;
+      default:
+        accumulate_rows<8>(p, v, key_stride, nkeys, dim, o);
+        break;
+    }
+  }
+  static_assert(kRowsPerPass == 8, "accumulate_tile's cases cover 1 .. kRowsPerPass rows");
+}
+
+// Where dimension d's sum lies in an output row accumulated from paired V rows: per 32 dims, the low
+// unpack's 16 lanes (dims 0-3, 8-11, 16-19, 24-27 of the 32), then the high's (4-7, 12-15, 20-23, 28-31):
+// VPUNPCK{L,H}WD pair within 128-bit lanes.
+inline int64_t pair_order_index(int64_t d) {
+  const int64_t e = d % kPairDims;
+  return d - e + (e % 8) / 4 * 16 + e / 8 * 4 + e % 4;
+}
+
+// A work item: one sequence and `heads` of its KV heads from first_head (decode_attention.cpp's choice).
+struct Item {
+  int64_t seq, first_head;
+};
+
+// The first key of the first tile an item reads: its first new token's window start (later tokens' start
+// later), rounded down to a tile inside its cache block.
+inline int64_t first_tile_key(const DecodeProblem& p, int64_t seq) {
+  const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+  const int64_t first = first_visible_key(p.seq_lens[seq] - qlen, p.window);
+  const int64_t block_start = first / p.block_size * p.block_size;
+  return block_start + (first - block_start) / kTile * kTile;
+}
+
+}  // namespace
+
+bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                           uint16_t* out) {
+  if (p.dim % kPairDims != 0 || !bf16_enabled.load()) return false;
+  const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
+  // decode_attention.cpp's work items: whole sequences where there are enough to keep the threads busy.
+  const int64_t heads = p.num_seqs >= 2 * at::get_num_threads() ? hkv : 1;
+  const int64_t items_per_seq = hkv / heads;
+  const auto item_at = [=](int64_t item) {
+    return Item{p.seq_ids[item / items_per_seq], item % items_per_seq * heads};
+  };
+  at::parallel_for(0, p.num_seqs * items_per_seq, 1, [=](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
+    std::vector<float> out_rows, natural(dim);  // per row: the output sums, in pair order
+    std::vector<RowSoftmax> softmax;
+    std::vector<uint32_t> p_pairs;  // per row: the tile's probabilities, kTile / 2 bf16 pairs
+    std::vector<const uint16_t*> q_rows;
+    std::vector<int64_t> first_key, last_key;       // per row: the first and last key it may see
+    PacedPrefetch<uint16_t, _MM_HINT_T1> prefetch;  // the next tile's K/V rows
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [seq, first_head] = item_at(item);
+      const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
+      // Row r: row r % head_rows (query_row) of KV head first_head + r / head_rows.
+      const int64_t head_rows = qlen * group, nrows = heads * head_rows;
+      out_rows.assign(nrows * dim, 0.f);
+      softmax.assign(nrows, RowSoftmax{});
+      p_pairs.resize(nrows * kTile / 2);
+      q_rows.resize(nrows);
+      first_key.resize(nrows);
+      last_key.resize(nrows);
+      for (int64_t r = 0; r < nrows; ++r) {
+        const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
+        q_rows[r] = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
+        last_key[r] = slen - qlen + row.token;  // causal: the row sees keys up to its own position
+        first_key[r] = first_visible_key(last_key[r], p.window);
+      }
+      const int64_t* table = p.tables + seq * p.table_width;
+      // Tiles of up to kTile keys inside one cache block, so no key index is divided per key.
+      for (int64_t kv_start = first_tile_key(p, seq); kv_start < slen;) {
+        const int64_t in_block = kv_start % p.block_size;
+        const int64_t nkeys = std::min({kTile, p.block_size - in_block, slen - kv_start});
+        const int64_t tile_at = (table[kv_start / p.block_size] * p.block_size + in_block) * key_len + first_head * dim;
+        if (kv_start + nkeys < slen) {
+          prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
+        } else if (item + 1 < end) {  // the item's last tile: the next item's first
+          const auto [next_seq, next_head] = item_at(item + 1);
+          prefetch.plan(p, p.tables + next_seq * p.table_width, first_tile_key(p, next_seq), kTile,
+                        p.seq_lens[next_seq], k_cache, v_cache, next_head, heads);
+        }
+        for (int64_t head = 0; head < heads; ++head) {
+          const int64_t r0 = head * head_rows;
+          for (int64_t r = r0; r < r0 + head_rows; ++r) {
+            const __mmask16 seen = first_lanes(std::min(nkeys, last_key[r] - kv_start + 1)) &
+                                   static_cast<__mmask16>(~first_lanes(first_key[r] - kv_start));
+            uint32_t* row_pairs = &p_pairs[r * kTile / 2];
+            if (seen == 0) {  // the tile lies wholly outside the row's keys
+              std::fill(row_pairs, row_pairs + kTile / 2, 0u);
+              continue;
+            }
+            const __m512 scores = tile_scores(q_rows[r], k_cache + tile_at + head * dim, key_len, nkeys, dim);
+            tile_probabilities(scores, seen, p.scale, softmax[r], &out_rows[r * dim], dim, row_pairs);
+          }
+          prefetch.issue(kPrefetchBatch);
+          accumulate_tile(&p_pairs[r0 * kTile / 2], v_cache + tile_at + head * dim, key_len, nkeys, head_rows, dim,
+                          &out_rows[r0 * dim]);
+          prefetch.issue(kPrefetchBatch);
+        }
+        prefetch.issue(-1);
+        kv_start += nkeys;
+      }
+      for (int64_t r = 0; r < nrows; ++r) {
+        const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
+        for (int64_t d = 0; d < dim; ++d) natural[d] = out_rows[r * dim + pair_order_index(d)];
+        store_normalized(out + ((row0 + row.token) * hq + row.q_head) * dim, natural.data(),
+                         _mm512_reduce_add_ps(softmax[r].l), dim);
+      }
+    }
+  });
+  return true;
+}
+#else
+bool decode_attention_bf16(const DecodeProblem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*) {
+  return false;
+}
+#endif
+
+}  // namespace kvserve

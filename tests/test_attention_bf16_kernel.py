@@ -1,0 +1,94 @@
+"""decode_attention_bf16.cpp, the AVX512-BF16 decode attention kernel, against the float64 oracle and
+against the widened float32 kernel (decode_attention.cpp) it replaces for bf16 caches, both in one
+build (set_bf16_attention). On AMX CPUs the AMX kernel is switched off for these tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kernels import cpu
+from kvserve.kernels.attention_cpu import cpu_attention
+from kvserve.kernels.attention_ref import climbing_score_inputs, paged_reference_attention, random_paged_inputs
+from kvserve.kernels.cpu import isa as cpu_isa
+
+
+@pytest.fixture
+def kernels():
+    built = cpu.load()
+    if built is None or not cpu_isa.selected().bf16:
+        pytest.skip("the build has no AVX512-BF16 (an AVX2 or plain path, or a lower path forced: KVSERVE_CPU_ISA)")
+    previous_amx = built.set_amx_attention(False)
+    yield built
+    built.set_amx_attention(previous_amx)
+    built.set_bf16_attention(True)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+CASES = [
+    # (query_lens, seq_lens, heads, kv_heads, head_dim, block_size, window)
+    # decode at tile and block edges, a fresh one-key sequence; whole sequences per work item (4+ sequences)
+    ([1, 1, 1, 1], [1, 16, 17, 33], 9, 3, 64, 16, None),
+    # verify rows of 1-8 tokens: 24 rows per KV head, three passes of the P.V rows held in registers
+    ([1, 4, 8, 1, 3, 6], [90, 4, 100, 33, 300, 64], 9, 3, 64, 16, None),
+    # head dim 32; blocks of 5, so tiles of 5 keys; one KV head per work item (3 sequences)
+    ([1, 5, 2], [37, 70, 130], 4, 2, 32, 5, None),
+    # one-key blocks, GQA 8:1, head dim 128
+    ([1, 3], [70, 41], 8, 1, 128, 1, None),
+    # Gemma 3 270M's head dim 256; blocks of two tiles
+    ([1, 2], [300, 90], 4, 1, 256, 32, None),
+    # windows: from a block's first key (100 - 20), mid-tile, larger than the context; no GQA, head dim 96
+    ([1, 4, 1], [100, 60, 37], 9, 3, 64, 16, 20),
+    ([1, 1], [33, 80], 2, 2, 96, 16, 17),
+    ([2, 1], [30, 12], 9, 3, 64, 16, 1000),
+]
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "heads", "kv_heads", "head_dim", "block_size", "window"), CASES)
+def test_bf16_kernel_matches_the_oracle_and_the_widened_kernel(
+    kernels, query_lens, seq_lens, heads, kv_heads, head_dim, block_size, window
+) -> None:
+    q, k, v, meta = random_paged_inputs(
+        query_lens, seq_lens, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=len(seq_lens)
+    )
+    scale = head_dim**-0.5
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, scale, torch.float64, window)
+    outs = []
+    for bf16 in (True, False):
+        kernels.set_bf16_attention(bf16)
+        outs.append(cpu_attention(q, k, v, meta, scale, window=window).double())
+    for out in outs:
+        assert relative_error(out, ref) < 1e-2
+    # The kernels differ in rounding only: bf16 probabilities in the bf16 kernel's P.V product.
+    assert relative_error(outs[0], outs[1].double()) < 1e-2
+    assert not torch.equal(outs[0], outs[1]), "both runs took the same kernel"
+
+
+def test_bf16_kernel_rescales_when_later_keys_score_higher(kernels) -> None:
+    """The lazy reference max must move with scores that climb past its threshold: at scale 10 by 1 per
+    key, 300 over a sequence, where exponentials against a stale reference would overflow float32."""
+    q, k, v, meta = climbing_score_inputs([1, 2], [300, 200])
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 10.0, torch.float64)
+    out = cpu_attention(q, k, v, meta, 10.0).double()
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref) < 1e-2
+
+
+def test_bf16_kernel_never_reads_nan_past_a_tiles_keys(kernels) -> None:
+    """Every cache slot past each sequence's last key set to NaN (stale rows of a reused block): the masked
+    loads must read zeros there, or 0 * NaN would reach the output."""
+    query_lens, seq_lens = [1, 1, 1, 1, 2], [5, 21, 40, 16, 9]
+    q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=5)
+    used = torch.zeros(k.shape[:2], dtype=torch.bool)
+    for table, length in zip(meta.block_tables.tolist(), seq_lens, strict=True):
+        for key in range(length):
+            used[table[key // 16], key % 16] = True
+    k[~used] = float("nan")
+    v[~used] = float("nan")
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 0.125, torch.float64)
+    out = cpu_attention(q, k, v, meta, 0.125).double()
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref) < 1e-2
