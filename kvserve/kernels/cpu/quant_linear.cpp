@@ -80,6 +80,26 @@ void rows_times_tile(const float* x, const float* tile, int64_t w_rows, int64_t 
 std::atomic<bool> fma_products{false};
 
 #if defined(__AVX512F__)
+// x [rows, k] bf16, contiguous, packed as pack_tiles packs a weight, rows padded with
+// zeros to `padded`: word (a, c, d, b) = x's pair (row 16a + b, columns 32c + 2d, +1), i.e. per 16 rows
+// and 32 columns a 16 x 16 transpose of 32-bit pairs. One pass, blocks of 16 rows over the threads, where
+// the torch form (pad, permute, contiguous) took three, each a dispatch (benchmarks/RESULTS.md, "Decode
+// attention on AVX512-BF16").
+void pack_x_pairs(const uint16_t* x, int64_t rows, int64_t padded, int64_t k, uint32_t* packed) {
+  const int64_t chunks = k / 32;
+  at::parallel_for(0, padded / 16, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t a = begin; a < end; ++a) {
+      for (int64_t b = 0; b < 16; ++b) {
+        const int64_t row = 16 * a + b;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(x + row * k);
+        uint32_t* dst = packed + a * chunks * 256 + b;
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int64_t d = 0; d < 16; ++d) dst[(c * 16 + d) * 16] = row < rows ? src[c * 16 + d] : 0u;
+      }
+    }
+  });
+}
+
 // y [m, n] = x [m, k] @ W^T for bf16 x, W's rows from `blocks`: x packed as pack_tiles packs a weight
 // (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized rows (bf16
 // where the register block takes bf16 pairs, else float32), register blocks of tiles_fma::kRows panel
@@ -90,10 +110,8 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
   const int64_t rows = x.size(0), padded = (rows + 31) / 32 * 32;
   auto y = at::empty({rows, n}, x.options());
   if (rows == 0) return y;
-  const at::Tensor packed = at::constant_pad_nd(x.contiguous(), {0, 0, 0, padded - rows})
-                                .view({padded / 16, 16, k / 32, 16, 2})
-                                .permute({0, 2, 3, 1, 4})
-                                .contiguous();
+  const at::Tensor xc = x.contiguous(), packed = at::empty({padded, k}, x.options());
+  pack_x_pairs(raw<c10::BFloat16>(xc), rows, padded, k, reinterpret_cast<uint32_t*>(raw<c10::BFloat16>(packed)));
   const uint16_t* xs = raw<c10::BFloat16>(packed);
   uint16_t* ys = raw<c10::BFloat16>(y);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
