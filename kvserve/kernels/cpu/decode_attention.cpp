@@ -140,11 +140,7 @@ template <typename T>
 void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_cache, T* out) {
   const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
   const int64_t width = padded_width(dim);
-  // A work item is one sequence and `heads` of its KV heads. Whole sequences (all heads) read each
-  // tile's K/V rows as one contiguous run, faster with the cache cold, as it is between a step's layers,
-  // than one item per head. One head per item only where there are too few sequences to keep every
-  // thread busy (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
-  const int64_t heads = p.num_seqs >= 2 * at::get_num_threads() ? hkv : 1;
+  const int64_t heads = heads_per_item(p);
   const int64_t items_per_seq = hkv / heads;
   at::parallel_for(0, p.num_seqs * items_per_seq, 1, [=](int64_t begin, int64_t end) {
     const FlushDenormals ftz;

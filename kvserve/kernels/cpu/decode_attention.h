@@ -23,6 +23,12 @@ inline int64_t first_visible_key(int64_t position, int64_t window) {
   return window > 0 && position >= window ? position - window + 1 : 0;
 }
 
+// A vector kernel's work item is one sequence and this many of its KV heads. Whole sequences (all heads)
+// read each tile's K/V rows as one contiguous run, faster with the cache cold, as it is between a step's
+// layers, than one item per head. One head per item only where there are too few sequences to keep every
+// thread busy (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
+inline int64_t heads_per_item(const DecodeProblem& p) { return p.num_seqs >= 2 * at::get_num_threads() ? p.hkv : 1; }
+
 // Where query row r of a KV head reads and writes: row r of KV head `kv_head` is new token
 // r / group of its sequence (0-based among the sequence's new tokens), query head
 // kv_head * group + r % group. The same for every kernel, so both agree on the row order.

@@ -178,7 +178,7 @@ inline int64_t pair_order_index(int64_t d) {
   return d - e + (e % 8) / 4 * 16 + e / 8 * 4 + e % 4;
 }
 
-// A work item: one sequence and `heads` of its KV heads from first_head (decode_attention.cpp's choice).
+// A work item: one sequence and heads_per_item of its KV heads from first_head.
 struct Item {
   int64_t seq, first_head;
 };
@@ -198,8 +198,7 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
                            uint16_t* out) {
   if (p.dim % kPairDims != 0 || !bf16_enabled.load()) return false;
   const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
-  // decode_attention.cpp's work items: whole sequences where there are enough to keep the threads busy.
-  const int64_t heads = p.num_seqs >= 2 * at::get_num_threads() ? hkv : 1;
+  const int64_t heads = heads_per_item(p);
   const int64_t items_per_seq = hkv / heads;
   const auto item_at = [=](int64_t item) {
     return Item{p.seq_ids[item / items_per_seq], item % items_per_seq * heads};
