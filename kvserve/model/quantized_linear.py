@@ -3,13 +3,13 @@ quantized kernels (kernels/cpu/quant_*.cpp).
 
 `quant_product` chooses the kernel (the compiled decode step calls the same): `quant_gemv` streams the
 blocks once with x quantized to int8 per 32 elements, for up to GEMV_MAX_ROWS rows, or in a decode step
-(`decode_step`: every row follows generated tokens) up to `int8_max_rows` (64 on row groups, 8 in GGML's
-layout); more rows, and prefill steps, take `quant_linear`, which dequantizes a panel of weight rows
-into a tile in cache and multiplies every row with it, exactly up to the order of the sums. The weights
-are read once per product at their quantized size either way. A prefill's KV serves every later token
-of its request, so it stays exact; a decode step's row makes one token, as batch 1's always has on the
-GEMV. A fused projection whose parts differ in block type (StackedQuantizedTensor) runs a product per
-part and concatenates their columns.
+(`decode_step`: every row follows generated tokens) up to `int8_max_rows` (on row groups 128, or 64
+with AMX; 8 in GGML's layout); more rows, and prefill steps, take `quant_linear`, which dequantizes a
+panel of weight rows into a tile in cache and multiplies every row with it, exactly up to the order of
+the sums. The weights are read once per product at their quantized size either way. A prefill's KV
+serves every later token of its request, so it stays exact; a decode step's row makes one token, as
+batch 1's always has on the GEMV. A fused projection whose parts differ in block type
+(StackedQuantizedTensor) runs a product per part and concatenates their columns.
 
 The embedding table, when quantized, stays in its blocks: a step gathers the rows of its tokens and
 dequantizes only those (exactly, as gguf does). A dequantized copy would cost the table's float size

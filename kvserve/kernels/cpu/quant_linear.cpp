@@ -200,10 +200,15 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
 // Where the int8 GEMV's cost, which grows with each row, passes the panel product's, which is mostly the
 // fixed cost of dequantizing W: on row groups (eight rows' scales and sums per vector) far later than on
 // GGML's layout (a horizontal sum and scalar scales per weight row and row of x). Measured on Zen 4
-// (benchmarks/RESULTS.md, "int8 decode batches"): row groups cross at 64-128 rows, GGML's at 8-16.
+// (benchmarks/RESULTS.md, "int8 decode batches"): row groups cross at 64-128 rows, GGML's at 8-16; whole
+// decode steps of 100 rows ran 15-20 % faster on the GEMV (RESULTS.md, "Decode attention on
+// AVX512-BF16"), hence 128 without AMX. With AMX, whose tiles make the panel product's own products
+// cheaper, the limit stays at 64, not measured again.
 int64_t int8_max_rows(int64_t type) {
-  return quant::visit_kernel_type(
-      type, [](auto block) -> int64_t { return quant::rows_per_stored_row<decltype(block)>() > 1 ? 64 : 8; });
+  const int64_t grouped_rows = amx_permitted() ? 64 : 128;
+  return quant::visit_kernel_type(type, [=](auto block) -> int64_t {
+    return quant::rows_per_stored_row<decltype(block)>() > 1 ? grouped_rows : 8;
+  });
 }
 
 at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step) {
