@@ -175,40 +175,32 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
         first_key[r] = first_visible_key(last_key[r], p.window);
       }
       const int64_t* table = p.tables + seq * p.table_width;
-      // The item's earliest visible key: its first new token's window start (later tokens' start later).
-      const int64_t item_first = first_visible_key(slen - qlen, p.window);
-      // Tiles of up to kTile keys inside one cache block, so no key index is divided per key.
-      for (int64_t block_start = item_first / p.block_size * p.block_size; block_start < slen;
-           block_start += p.block_size) {
-        const int64_t block_base = table[block_start / p.block_size] * p.block_size;
-        const int64_t block_keys = std::min(p.block_size, slen - block_start);
-        const int64_t first_tile = std::max<int64_t>(0, item_first - block_start) / kTile * kTile;
-        for (int64_t tile = first_tile; tile < block_keys; tile += kTile) {
-          const int64_t kv_start = block_start + tile, nkeys = std::min(kTile, block_keys - tile);
-          prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
-          const int64_t tile_at = (block_base + tile) * key_len + first_head * dim;
-          regroup_tile(v_cache + tile_at, key_len, nkeys, heads, dim, width, vf.data());
+      for (int64_t kv_start = first_tile_key(p, seq), nkeys; kv_start < slen; kv_start += nkeys) {
+        nkeys = tile_keys(p, kv_start, slen);
+        prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
+        const int64_t tile_at =
+            (table[kv_start / p.block_size] * p.block_size + kv_start % p.block_size) * key_len + first_head * dim;
+        regroup_tile(v_cache + tile_at, key_len, nkeys, heads, dim, width, vf.data());
+        prefetch.issue(kPrefetchBatch);
+        regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kf.data());
+        for (int64_t head = 0; head < heads; ++head) {
           prefetch.issue(kPrefetchBatch);
-          regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kf.data());
-          for (int64_t head = 0; head < heads; ++head) {
-            prefetch.issue(kPrefetchBatch);
-            const int64_t r0 = head * head_rows, k0 = head * kTile * dim;
-            for (int64_t r = r0; r < r0 + head_rows; ++r) {
-              visible[r] = std::min(nkeys, last_key[r] - kv_start + 1);
-              tile_first[r] = std::max<int64_t>(0, first_key[r] - kv_start);
-              if (visible[r] <= tile_first[r]) {  // the tile lies wholly outside the row's keys
-                visible[r] = 0;
-                continue;
-              }
-              float* scores = &probs[r * kTile];
-              float_tile_scores(&qf[r * dim], &kf[k0], visible[r], dim, scores);
-              alpha[r] = softmax_tile(scores, tile_first[r], visible[r], p.scale, m[r], l[r]);
+          const int64_t r0 = head * head_rows, k0 = head * kTile * dim;
+          for (int64_t r = r0; r < r0 + head_rows; ++r) {
+            visible[r] = std::min(nkeys, last_key[r] - kv_start + 1);
+            tile_first[r] = std::max<int64_t>(0, first_key[r] - kv_start);
+            if (visible[r] <= tile_first[r]) {  // the tile lies wholly outside the row's keys
+              visible[r] = 0;
+              continue;
             }
-            accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows, width,
-                            &acc[r0 * width]);
+            float* scores = &probs[r * kTile];
+            float_tile_scores(&qf[r * dim], &kf[k0], visible[r], dim, scores);
+            alpha[r] = softmax_tile(scores, tile_first[r], visible[r], p.scale, m[r], l[r]);
           }
-          prefetch.issue(-1);
+          accumulate_tile(&probs[r0 * kTile], &alpha[r0], &visible[r0], &vf[head * kTile * width], head_rows, width,
+                          &acc[r0 * width]);
         }
+        prefetch.issue(-1);
       }
       for (int64_t r = 0; r < nrows; ++r) {
         const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);

@@ -1,6 +1,7 @@
-// Shared by the decode attention kernels (decode_attention.cpp: AVX-512 and portable;
-// decode_attention_amx.cpp: Intel AMX tiles): the problem description, the tile of keys, the online
-// softmax step and the prefetch of the next tile.
+// Shared by the decode attention kernels (decode_attention.cpp: float32 widened, AVX-512, AVX2 and
+// portable; decode_attention_bf16.cpp: AVX512-BF16; decode_attention_amx.cpp: Intel AMX tiles): the problem
+// description, the tile of keys and the walk over them, the online softmax step and the prefetch of the next
+// tile.
 #pragma once
 
 #include "common.h"
@@ -28,6 +29,21 @@ inline int64_t first_visible_key(int64_t position, int64_t window) {
 // layers, than one item per head. One head per item only where there are too few sequences to keep every
 // thread busy (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 inline int64_t heads_per_item(const DecodeProblem& p) { return p.num_seqs >= 2 * at::get_num_threads() ? p.hkv : 1; }
+
+// The first key of the first tile an item of sequence `seq` reads: its first new token's window start
+// (later tokens' start later), rounded down to a tile inside its cache block. Tiles hold up to kTile keys
+// of one cache block, so no key index is divided per key.
+inline int64_t first_tile_key(const DecodeProblem& p, int64_t seq) {
+  const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+  const int64_t first = first_visible_key(p.seq_lens[seq] - qlen, p.window);
+  const int64_t block_start = first / p.block_size * p.block_size;
+  return block_start + (first - block_start) / kTile * kTile;
+}
+
+// The number of keys in the tile starting at key kv_start of a sequence of slen keys.
+inline int64_t tile_keys(const DecodeProblem& p, int64_t kv_start, int64_t slen) {
+  return std::min({kTile, p.block_size - kv_start % p.block_size, slen - kv_start});
+}
 
 // Where query row r of a KV head reads and writes: row r of KV head `kv_head` is new token
 // r / group of its sequence (0-based among the sequence's new tokens), query head

@@ -183,15 +183,6 @@ struct Item {
   int64_t seq, first_head;
 };
 
-// The first key of the first tile an item reads: its first new token's window start (later tokens' start
-// later), rounded down to a tile inside its cache block.
-inline int64_t first_tile_key(const DecodeProblem& p, int64_t seq) {
-  const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
-  const int64_t first = first_visible_key(p.seq_lens[seq] - qlen, p.window);
-  const int64_t block_start = first / p.block_size * p.block_size;
-  return block_start + (first - block_start) / kTile * kTile;
-}
-
 }  // namespace
 
 bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
@@ -229,11 +220,10 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
         first_key[r] = first_visible_key(last_key[r], p.window);
       }
       const int64_t* table = p.tables + seq * p.table_width;
-      // Tiles of up to kTile keys inside one cache block, so no key index is divided per key.
-      for (int64_t kv_start = first_tile_key(p, seq); kv_start < slen;) {
-        const int64_t in_block = kv_start % p.block_size;
-        const int64_t nkeys = std::min({kTile, p.block_size - in_block, slen - kv_start});
-        const int64_t tile_at = (table[kv_start / p.block_size] * p.block_size + in_block) * key_len + first_head * dim;
+      for (int64_t kv_start = first_tile_key(p, seq), nkeys; kv_start < slen; kv_start += nkeys) {
+        nkeys = tile_keys(p, kv_start, slen);
+        const int64_t tile_at =
+            (table[kv_start / p.block_size] * p.block_size + kv_start % p.block_size) * key_len + first_head * dim;
         if (kv_start + nkeys < slen) {
           prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
         } else if (item + 1 < end) {  // the item's last tile: the next item's first
@@ -260,7 +250,6 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
           prefetch.issue(kPrefetchBatch);
         }
         prefetch.issue(-1);
-        kv_start += nkeys;
       }
       for (int64_t r = 0; r < nrows; ++r) {
         const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
