@@ -44,8 +44,6 @@ logger = logging.getLogger(__name__)
 SOURCES = [str(path) for path in build_config.sources()]
 # The size of a whole build in core-minutes, for the estimate the log gives before one starts.
 BUILD_CORE_MINUTES = 10
-# torch's own lock file, left behind by a build killed midway: torch would wait on it forever.
-STALE_LOCK_S = 20 * 60
 
 
 @dataclass(frozen=True)
@@ -64,16 +62,15 @@ def build_directory(isa: Isa) -> Path:
     return root / f"{build_config.module_name(isa)}_py{sys.version_info.major}{sys.version_info.minor}"
 
 
-def remove_stale_lock(directory: Path) -> bool:
-    """Remove torch's build lock in `directory` if it is older than STALE_LOCK_S; True when it did."""
+def remove_orphaned_lock(directory: Path) -> bool:
+    """Remove torch's build lock in `directory`; True when there was one. Call only holding the directory's
+    kvserve-build.lock: every kvserve build takes that flock first, and the kernel releases it when its holder
+    dies, so a torch lock found under it was left by a build killed midway (a server stopped during its first
+    start), and torch would wait on it forever."""
     lock = directory / "lock"
-    try:
-        age_s = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
+    if not lock.exists():
         return False
-    if age_s < STALE_LOCK_S:
-        return False
-    logger.warning("removing %s, left %.0f minutes ago by a build that did not finish", lock, age_s / 60)
+    logger.warning("removing %s, left by a build that did not finish", lock)
     lock.unlink(missing_ok=True)
     return True
 
@@ -121,7 +118,7 @@ def build_for_this_cpu(isa: Isa, fingerprint: str, why: str) -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     stamp = directory / "kvserve-fingerprint"
     with exclusive(directory / "kvserve-build.lock"):
-        remove_stale_lock(directory)
+        remove_orphaned_lock(directory)
         cached = (directory / f"{name}.so").exists() and stamp.exists() and stamp.read_text() == fingerprint
         if not cached:
             minutes = max(1, round(BUILD_CORE_MINUTES / (os.cpu_count() or 1)))
