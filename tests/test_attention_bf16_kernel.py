@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.kernels import cpu
-from kvserve.kernels.attention_cpu import cpu_attention
+from kvserve.kernels.attention_cpu import BF16_PREFILL_MAX_KEYS, cpu_attention
 from kvserve.kernels.attention_ref import climbing_score_inputs, paged_reference_attention, random_paged_inputs
 from kvserve.kernels.cpu import isa as cpu_isa
 
@@ -44,6 +44,14 @@ CASES = [
     ([1, 4, 1], [100, 60, 37], 9, 3, 64, 16, 20),
     ([1, 1], [33, 80], 2, 2, 96, 16, 17),
     ([2, 1], [30, 12], 9, 3, 64, 16, 1000),
+    # prefill rows (attention_cpu.py sends them here up to BF16_PREFILL_MAX_KEYS keys): a 128-token prompt,
+    # 384 rows per KV head in 12 chunks, beside decode rows of unequal cost (the split by cost)
+    ([128, 1, 1, 1], [128, 50, 51, 300], 9, 3, 64, 16, None),
+    # a prompt's later chunk after 300 cached keys, and a short prompt: one KV head per work item
+    ([100, 37], [400, 37], 9, 3, 64, 16, None),
+    # a windowed prefill whose window starts mid-chunk; Gemma 3's heads (4 per KV head, dim 256) with a window
+    ([90, 1, 1, 1], [200, 20, 33, 64], 9, 3, 64, 16, 40),
+    ([70, 1], [70, 129], 4, 1, 256, 16, 50),
 ]
 
 
@@ -70,7 +78,7 @@ def test_bf16_kernel_matches_the_oracle_and_the_widened_kernel(
 def test_bf16_kernel_rescales_when_later_keys_score_higher(kernels) -> None:
     """The lazy reference max must move with scores that climb past its threshold: at scale 10 by 1 per
     key, 300 over a sequence, where exponentials against a stale reference would overflow float32."""
-    q, k, v, meta = climbing_score_inputs([1, 2], [300, 200])
+    q, k, v, meta = climbing_score_inputs([1, 2, 64], [300, 200, 100])
     ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 10.0, torch.float64)
     out = cpu_attention(q, k, v, meta, 10.0).double()
     assert torch.isfinite(out).all()
@@ -80,7 +88,7 @@ def test_bf16_kernel_rescales_when_later_keys_score_higher(kernels) -> None:
 def test_bf16_kernel_never_reads_nan_past_a_tiles_keys(kernels) -> None:
     """Every cache slot past each sequence's last key set to NaN (stale rows of a reused block): the masked
     loads must read zeros there, or 0 * NaN would reach the output."""
-    query_lens, seq_lens = [1, 1, 1, 1, 2], [5, 21, 40, 16, 9]
+    query_lens, seq_lens = [1, 1, 1, 1, 2, 40], [5, 21, 40, 16, 9, 45]
     q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=5)
     used = torch.zeros(k.shape[:2], dtype=torch.bool)
     for table, length in zip(meta.block_tables.tolist(), seq_lens, strict=True):
@@ -92,3 +100,18 @@ def test_bf16_kernel_never_reads_nan_past_a_tiles_keys(kernels) -> None:
     out = cpu_attention(q, k, v, meta, 0.125).double()
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < 1e-2
+
+
+def test_prefill_rows_take_the_bf16_kernel_up_to_its_bound(kernels) -> None:
+    """A sequence with prefill rows runs on the kernel while it has at most BF16_PREFILL_MAX_KEYS keys, on
+    SDPA past that, and on SDPA whenever the kernel is switched off; both give the oracle's rows."""
+    query_lens, seq_lens = [20, 20], [BF16_PREFILL_MAX_KEYS, BF16_PREFILL_MAX_KEYS + 1]
+    for bf16, expected_on_kernel in ((True, [0]), (False, [])):
+        kernels.set_bf16_attention(bf16)
+        q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=3)
+        out = cpu_attention(q, k, v, meta, 0.125).double()
+        on_kernel, on_sdpa = meta.plans[("cpu", True)]
+        assert on_kernel.tolist() == expected_on_kernel
+        assert on_sdpa == [i for i in range(2) if i not in expected_on_kernel]
+        ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 0.125, torch.float64)
+        assert relative_error(out, ref) < 1e-2

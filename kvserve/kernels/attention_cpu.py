@@ -1,17 +1,21 @@
 """The "cpu" backend: the compiled tiled kernel (kernels/cpu/decode_attention.cpp) for
-sequences with few new tokens and, on the AMX kernel, short prefills; torch SDPA for the rest.
+sequences with few new tokens and, on the AMX and AVX512-BF16 kernels, short prefills; torch SDPA for the
+rest.
 
 The compiled kernel is FlashAttention's online softmax with the cache block as the KV tile, reading
 K/V where they lie in the paged cache: no gathered copy, no score matrix. With a bf16 cache on a CPU
 with AMX (head dim 32 or 64, blocks a multiple of 16 keys) its products run on the AMX tiles
 (decode_attention_amx.cpp), elsewhere on AVX-512 or plain loops. Long prefill rows are a
 matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py); the AMX kernel
-wins while a sequence has at most AMX_PREFILL_MAX_KEYS keys. A sliding-window layer runs the vector
-kernel, which skips the cache blocks before the window; the AMX kernel has no window, so such a layer's
-prefill rows all go to SDPA.
+wins while a sequence has at most AMX_PREFILL_MAX_KEYS keys, the AVX512-BF16 kernel (where AMX does not
+apply) while it has at most BF16_PREFILL_MAX_KEYS. A sliding-window layer runs a vector kernel, which skips
+the cache blocks before the window; the AMX kernel has no window, so on AMX such a layer's prefill rows go
+to the AVX512-BF16 kernel where it applies, else to SDPA.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -25,6 +29,20 @@ from kvserve.kernels.metadata import AttentionMetadata
 # rows x keys faster than SDPA's, and past this SDPA wins
 # (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 AMX_PREFILL_MAX_KEYS = 512
+# The same bound for the AVX512-BF16 kernel, whose chunks of 32 rows per head rescan the keys they see
+# (benchmarks/prefill_attention.py; figures: benchmarks/RESULTS.md, "Prefill rows on the AVX512-BF16
+# attention kernel").
+BF16_PREFILL_MAX_KEYS = 1024
+
+
+def longest_prefill_on_kernel(kernels: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, window_keys: int) -> int:
+    """The most keys a sequence with prefill rows may have for its rows to run on the compiled kernel: 0 where
+    only the widened float32 kernel would take them (they go to SDPA)."""
+    if kernels.amx_attention_applies(q, k_cache, window_keys):
+        return AMX_PREFILL_MAX_KEYS
+    if kernels.bf16_attention_applies(q, k_cache):
+        return BF16_PREFILL_MAX_KEYS
+    return 0
 
 
 def cpu_attention(
@@ -45,7 +63,7 @@ def cpu_attention(
     plan_key = ("cpu", window is None)  # which rows the kernel takes depends on whether the layer is windowed
     plan = meta.plans.get(plan_key)
     if plan is None:
-        longest = AMX_PREFILL_MAX_KEYS if kernels.amx_attention_applies(q, k_cache, window_keys) else 0
+        longest = longest_prefill_on_kernel(kernels, q, k_cache, window_keys)
         kernel_takes = [
             n <= DECODE_MAX_QUERY_LEN or s <= longest
             for n, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)

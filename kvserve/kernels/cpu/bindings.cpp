@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "allow decode_attention's AVX512-BF16 kernel (default); returns the old value");
   m.def("amx_available", &amx_permitted, "whether the AMX kernels (attention, linear_amx) can run here");
   m.def("amx_attention_applies", &amx_attention_applies, "whether decode_attention runs these q/cache on AMX");
+  m.def("bf16_attention_applies", &bf16_attention_applies,
+        "whether decode_attention runs these q/cache on AVX512-BF16 where AMX does not apply");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
   m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",

@@ -175,7 +175,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
         first_key[r] = first_visible_key(last_key[r], p.window);
       }
       const int64_t* table = p.tables + seq * p.table_width;
-      for (int64_t kv_start = first_tile_key(p, seq), nkeys; kv_start < slen; kv_start += nkeys) {
+      for (int64_t kv_start = first_tile_key(p, slen - qlen), nkeys; kv_start < slen; kv_start += nkeys) {
         nkeys = tile_keys(p, kv_start, slen);
         prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
         const int64_t tile_at =

@@ -30,12 +30,12 @@ inline int64_t first_visible_key(int64_t position, int64_t window) {
 // thread busy (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 inline int64_t heads_per_item(const DecodeProblem& p) { return p.num_seqs >= 2 * at::get_num_threads() ? p.hkv : 1; }
 
-// The first key of the first tile an item of sequence `seq` reads: its first new token's window start
-// (later tokens' start later), rounded down to a tile inside its cache block. Tiles hold up to kTile keys
-// of one cache block, so no key index is divided per key.
-inline int64_t first_tile_key(const DecodeProblem& p, int64_t seq) {
-  const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
-  const int64_t first = first_visible_key(p.seq_lens[seq] - qlen, p.window);
+// The first key of the first tile a query row at `position` reads: its window's start (0 without a
+// window), rounded down to a tile inside its cache block. A run of rows in query_row's order reads from
+// its first row's, whose window starts earliest. Tiles hold up to kTile keys of one cache block, so no key
+// index is divided per key.
+inline int64_t first_tile_key(const DecodeProblem& p, int64_t position) {
+  const int64_t first = first_visible_key(position, p.window);
   const int64_t block_start = first / p.block_size * p.block_size;
   return block_start + (first - block_start) / kTile * kTile;
 }
@@ -54,6 +54,48 @@ struct QueryRow {
 inline QueryRow query_row(int64_t r, int64_t kv_head, int64_t group) {
   return {r / group, kv_head * group + r % group};
 }
+
+// One past the last key a chunk of query rows sees: its last row (rows are in query_row's order, so
+// the latest token) sees keys up to its own position, and no row of the chunk sees further.
+inline int64_t chunk_keys_end(int64_t slen, int64_t qlen, int64_t group, int64_t first_row, int64_t rows) {
+  return slen - qlen + query_row(first_row + rows - 1, 0, group).token + 1;
+}
+
+// Contiguous ranges of work items, one per thread, of about equal cost. Item i is sequence
+// seq_ids[i / items_per_seq] and `heads` of its KV heads (items_per_seq = hkv / heads). A step mixing
+// prefill chunks with decode rows has items whose costs differ 100-fold, so equal item counts
+// (at::parallel_for's split) could leave one thread with all the prefill. Cost of an item: per head, for
+// each chunk of chunk_rows query rows, the keys it scans (up to its last row's position, in steps of
+// step_keys) plus one step for setting the chunk up.
+class ItemSplit {
+ public:
+  ItemSplit(const DecodeProblem& p, int64_t heads, int64_t chunk_rows, int64_t step_keys)
+      : cost_(p.num_seqs * (p.hkv / heads) + 1, 0) {
+    const int64_t group = p.hq / p.hkv, items_per_seq = p.hkv / heads, items = p.num_seqs * items_per_seq;
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t seq = p.seq_ids[item / items_per_seq];
+      const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq], slen = p.seq_lens[seq];
+      int64_t cost = 0;
+      for (int64_t first_row = 0; first_row < qlen * group; first_row += chunk_rows) {
+        const int64_t rows = std::min(chunk_rows, qlen * group - first_row);
+        cost += (chunk_keys_end(slen, qlen, group, first_row, rows) + step_keys - 1) / step_keys + 1;
+      }
+      cost_[item + 1] = cost_[item] + heads * cost;
+    }
+    parts_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  }
+  int64_t parts() const { return parts_; }
+  // The first item of part `part` (part == parts(): one past the last item).
+  int64_t first_item(int64_t part) const {
+    if (part >= parts_) return static_cast<int64_t>(cost_.size()) - 1;
+    const int64_t target = cost_.back() * part / parts_;
+    return std::lower_bound(cost_.begin(), cost_.end(), target) - cost_.begin();
+  }
+
+ private:
+  std::vector<int64_t> cost_;  // prefix sums: cost_[i] is the cost of items 0 .. i-1
+  int64_t parts_;
+};
 
 // out's row for a query: acc / l, rounded once to the output dtype. l >= 1: in both kernels the
 // reference m is one of the row's own scores, whose term exp(0) = 1 is in l.

@@ -218,51 +218,11 @@ bool amx_decode_supported(const DecodeProblem& p) {
          amx_permitted();
 }
 
-// One past the last key a chunk of query rows sees: its last row (rows are in query_row's order, so
-// the latest token) sees keys 0 .. its own position, and no row of the chunk sees further.
-inline int64_t chunk_keys_end(int64_t slen, int64_t qlen, int64_t group, int64_t first_row, int64_t rows) {
-  return slen - qlen + query_row(first_row + rows - 1, 0, group).token + 1;
-}
-
-// Contiguous ranges of work items (sequence, KV head), one per thread, of about equal cost. A step
-// mixing prefill chunks with decode rows has items whose costs differ 100-fold, so equal item counts
-// (at::parallel_for's split) could leave one thread with all the prefill. Cost of an item: for each
-// chunk of 16 query rows, the keys it scans (up to its last row's position, whole steps) plus one
-// step for setting the chunk up.
-class ItemSplit {
- public:
-  explicit ItemSplit(const DecodeProblem& p) : cost_(p.num_seqs * p.hkv + 1, 0) {
-    const int64_t group = p.hq / p.hkv, items = p.num_seqs * p.hkv;
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seq = p.seq_ids[item / p.hkv];
-      const int64_t qlen = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq], slen = p.seq_lens[seq];
-      int64_t cost = 0;
-      for (int64_t first_row = 0; first_row < qlen * group; first_row += kChunkRows) {
-        const int64_t rows = std::min(kChunkRows, qlen * group - first_row);
-        cost += (chunk_keys_end(slen, qlen, group, first_row, rows) + kStepKeys - 1) / kStepKeys + 1;
-      }
-      cost_[item + 1] = cost_[item] + cost;
-    }
-    parts_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  }
-  int64_t parts() const { return parts_; }
-  // The first item of part `part` (part == parts(): one past the last item).
-  int64_t first_item(int64_t part) const {
-    if (part >= parts_) return static_cast<int64_t>(cost_.size()) - 1;
-    const int64_t target = cost_.back() * part / parts_;
-    return std::lower_bound(cost_.begin(), cost_.end(), target) - cost_.begin();
-  }
-
- private:
-  std::vector<int64_t> cost_;  // prefix sums: cost_[i] is the cost of items 0 .. i-1
-  int64_t parts_;
-};
-
 bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                           uint16_t* out) {
   const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
   const int64_t dim_chunks = dim / kDimsPerChunk;
-  const ItemSplit split(p);
+  const ItemSplit split(p, 1, kChunkRows, kStepKeys);
   at::parallel_for(0, split.parts(), 1, [=, &split](int64_t first_part, int64_t last_part) {
     const int64_t begin = split.first_item(first_part), end = split.first_item(last_part);
     const FlushDenormals ftz;

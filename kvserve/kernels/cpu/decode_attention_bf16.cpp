@@ -5,8 +5,10 @@
 //   out [row][d]     += P [row][key] . V [key] V's keys paired by VPUNPCK{L,H}WD in registers; P rounded to
 //                                              bf16 as FlashAttention does (and decode_attention_amx.cpp),
 //                                              the row sums l kept in float32
-// Work items and the order of tiles are decode_attention.cpp's. What makes this kernel cheaper per tile,
-// and why it exists (figures: benchmarks/RESULTS.md, "Decode attention on AVX512-BF16"):
+// Work items are decode_attention.cpp's (a sequence and heads_per_item of its KV heads), split among threads by
+// their cost (ItemSplit) so that prefill rows, which this kernel takes too (kvserve/kernels/attention_cpu.py),
+// do not load one thread; each head's rows go through the keys in chunks of kChunkRows. What makes this
+// kernel cheaper per tile, and why it exists (figures: benchmarks/RESULTS.md, "Decode attention on AVX512-BF16"):
 // - nothing is copied: K and V are read from their cache blocks, keys past a tile's count by masked
 //   loads (zeros, no fault), so neither a regrouped nor a widened tile is written and read back;
 // - the softmax is rescaled lazily, as on AMX: each row's exponentials are taken against a reference max
@@ -29,8 +31,12 @@ bool set_bf16_attention(bool enabled) { return bf16_enabled.exchange(enabled); }
 #ifdef __AVX512BF16__
 namespace {
 
-constexpr int64_t kPairDims = 32;     // bf16 elements of one 64-byte register: one V row's slice
-constexpr int64_t kRowsPerPass = 8;   // P.V rows held in registers at once: 2 per 32-dim slice, 16 in all
+constexpr int64_t kPairDims = 32;    // bf16 elements of one 64-byte register: one V row's slice
+constexpr int64_t kRowsPerPass = 8;  // P.V rows held in registers at once: 2 per 32-dim slice, 16 in all
+// Query rows of each head taken through the keys together: every decode row of a sequence (up to 8 new
+// tokens of 4 query heads per KV head), and a prefill in chunks whose output rows stay in L1 (3 heads x 32
+// rows x 64 dims, or 32 x 256, of float32 sums: 24-32 KB).
+constexpr int64_t kChunkRows = 32;
 constexpr float kRescaleAbove = 8.f;  // natural-log units: probabilities stay <= e^8 ~ 3e3
 // Prefetches asked for after each head's scores and after its P.V, the rest after the tile's last
 // head (PacedPrefetch, decode_attention.h), into L2: 48 lines into L2 were the best measured, 1.5x
@@ -185,6 +191,11 @@ struct Item {
 
 }  // namespace
 
+bool bf16_attention_applies(at::Tensor q, at::Tensor k_cache) {
+  return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && q.size(-1) % kPairDims == 0 &&
+         bf16_enabled.load();
+}
+
 bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                            uint16_t* out) {
   if (p.dim % kPairDims != 0 || !bf16_enabled.load()) return false;
@@ -194,74 +205,85 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
   const auto item_at = [=](int64_t item) {
     return Item{p.seq_ids[item / items_per_seq], item % items_per_seq * heads};
   };
-  at::parallel_for(0, p.num_seqs * items_per_seq, 1, [=](int64_t begin, int64_t end) {
+  const ItemSplit split(p, heads, kChunkRows, kTile);
+  at::parallel_for(0, split.parts(), 1, [=, &split](int64_t first_part, int64_t last_part) {
+    const int64_t begin = split.first_item(first_part), end = split.first_item(last_part);
     const FlushDenormals ftz;
-    std::vector<float> out_rows, natural(dim);  // per row: the output sums, in pair order
-    std::vector<RowSoftmax> softmax;
-    std::vector<uint32_t> p_pairs;  // per row: the tile's probabilities, kTile / 2 bf16 pairs
-    std::vector<const uint16_t*> q_rows;
-    std::vector<int64_t> first_key, last_key;       // per row: the first and last key it may see
-    PacedPrefetch<uint16_t, _MM_HINT_T1> prefetch;  // the next tile's K/V rows
+    const int64_t max_rows = heads * kChunkRows;
+    std::vector<float> out_rows(max_rows * dim), natural(dim);  // per row: the output sums, in pair order
+    std::vector<RowSoftmax> softmax(max_rows);
+    std::vector<uint32_t> p_pairs(max_rows * kTile / 2);  // per row: the tile's probabilities, kTile / 2 bf16 pairs
+    std::vector<const uint16_t*> q_rows(max_rows);
+    std::vector<int64_t> first_key(max_rows), last_key(max_rows);  // per row: the first and last key it may see
+    PacedPrefetch<uint16_t, _MM_HINT_T1> prefetch;                 // the next tile's K/V rows
     for (int64_t item = begin; item < end; ++item) {
       const auto [seq, first_head] = item_at(item);
       const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
-      // Row r: row r % head_rows (query_row) of KV head first_head + r / head_rows.
-      const int64_t head_rows = qlen * group, nrows = heads * head_rows;
-      out_rows.assign(nrows * dim, 0.f);
-      softmax.assign(nrows, RowSoftmax{});
-      p_pairs.resize(nrows * kTile / 2);
-      q_rows.resize(nrows);
-      first_key.resize(nrows);
-      last_key.resize(nrows);
-      for (int64_t r = 0; r < nrows; ++r) {
-        const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
-        q_rows[r] = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
-        last_key[r] = slen - qlen + row.token;  // causal: the row sees keys up to its own position
-        first_key[r] = first_visible_key(last_key[r], p.window);
-      }
       const int64_t* table = p.tables + seq * p.table_width;
-      for (int64_t kv_start = first_tile_key(p, seq), nkeys; kv_start < slen; kv_start += nkeys) {
-        nkeys = tile_keys(p, kv_start, slen);
-        const int64_t tile_at =
-            (table[kv_start / p.block_size] * p.block_size + kv_start % p.block_size) * key_len + first_head * dim;
-        if (kv_start + nkeys < slen) {
-          prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
-        } else if (item + 1 < end) {  // the item's last tile: the next item's first
-          const auto [next_seq, next_head] = item_at(item + 1);
-          prefetch.plan(p, p.tables + next_seq * p.table_width, first_tile_key(p, next_seq), kTile,
-                        p.seq_lens[next_seq], k_cache, v_cache, next_head, heads);
+      const int64_t head_rows = qlen * group;  // each head's rows, in query_row's order
+      // Chunks of up to kChunkRows of each head's rows (decode rows: one chunk), so that a prefill's output
+      // rows stay in L1 across the tiles and each chunk reads only the keys its rows see.
+      for (int64_t first_row = 0; first_row < head_rows; first_row += kChunkRows) {
+        const int64_t rows = std::min(kChunkRows, head_rows - first_row), nrows = heads * rows;
+        // Prefetching, as in decode_attention_amx.cpp: the first chunk reads the item's keys from memory and
+        // asks for each next tile; later chunks find them in cache. The item's last tile asks for the next
+        // item's first.
+        const bool first_chunk = first_row == 0, last_chunk = first_row + kChunkRows >= head_rows;
+        std::fill_n(out_rows.begin(), nrows * dim, 0.f);
+        std::fill_n(softmax.begin(), nrows, RowSoftmax{});
+        for (int64_t r = 0; r < nrows; ++r) {  // row r: row first_row + r % rows of KV head first_head + r / rows
+          const QueryRow row = query_row(first_row + r % rows, first_head + r / rows, group);
+          q_rows[r] = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
+          last_key[r] = slen - qlen + row.token;  // causal: the row sees keys up to its own position
+          first_key[r] = first_visible_key(last_key[r], p.window);
         }
-        for (int64_t head = 0; head < heads; ++head) {
-          const int64_t r0 = head * head_rows;
-          for (int64_t r = r0; r < r0 + head_rows; ++r) {
-            const __mmask16 seen = first_lanes(std::min(nkeys, last_key[r] - kv_start + 1)) &
-                                   static_cast<__mmask16>(~first_lanes(first_key[r] - kv_start));
-            uint32_t* row_pairs = &p_pairs[r * kTile / 2];
-            if (seen == 0) {  // the tile lies wholly outside the row's keys
-              std::fill(row_pairs, row_pairs + kTile / 2, 0u);
-              continue;
-            }
-            const __m512 scores = tile_scores(q_rows[r], k_cache + tile_at + head * dim, key_len, nkeys, dim);
-            tile_probabilities(scores, seen, p.scale, softmax[r], &out_rows[r * dim], dim, row_pairs);
+        const int64_t keys_end = chunk_keys_end(slen, qlen, group, first_row, rows);
+        for (int64_t kv_start = first_tile_key(p, last_key[0]), nkeys; kv_start < keys_end; kv_start += nkeys) {
+          nkeys = tile_keys(p, kv_start, keys_end);
+          const int64_t tile_at =
+              (table[kv_start / p.block_size] * p.block_size + kv_start % p.block_size) * key_len + first_head * dim;
+          if (first_chunk && kv_start + nkeys < keys_end) {
+            prefetch.plan(p, table, kv_start + nkeys, kTile, keys_end, k_cache, v_cache, first_head, heads);
+          } else if (last_chunk && kv_start + nkeys >= keys_end && item + 1 < end) {
+            const auto [next_seq, next_head] = item_at(item + 1);
+            const int64_t next_qlen = p.cu_seqlens_q[next_seq + 1] - p.cu_seqlens_q[next_seq];
+            const int64_t next_slen = p.seq_lens[next_seq];
+            prefetch.plan(p, p.tables + next_seq * p.table_width, first_tile_key(p, next_slen - next_qlen), kTile,
+                          next_slen, k_cache, v_cache, next_head, heads);
           }
-          prefetch.issue(kPrefetchBatch);
-          accumulate_tile(&p_pairs[r0 * kTile / 2], v_cache + tile_at + head * dim, key_len, nkeys, head_rows, dim,
-                          &out_rows[r0 * dim]);
-          prefetch.issue(kPrefetchBatch);
+          for (int64_t head = 0; head < heads; ++head) {
+            const int64_t r0 = head * rows;
+            for (int64_t r = r0; r < r0 + rows; ++r) {
+              const __mmask16 seen = first_lanes(std::min(nkeys, last_key[r] - kv_start + 1)) &
+                                     static_cast<__mmask16>(~first_lanes(first_key[r] - kv_start));
+              uint32_t* row_pairs = &p_pairs[r * kTile / 2];
+              if (seen == 0) {  // the tile lies wholly outside the row's keys
+                std::fill(row_pairs, row_pairs + kTile / 2, 0u);
+                continue;
+              }
+              const __m512 scores = tile_scores(q_rows[r], k_cache + tile_at + head * dim, key_len, nkeys, dim);
+              tile_probabilities(scores, seen, p.scale, softmax[r], &out_rows[r * dim], dim, row_pairs);
+            }
+            prefetch.issue(kPrefetchBatch);
+            accumulate_tile(&p_pairs[r0 * kTile / 2], v_cache + tile_at + head * dim, key_len, nkeys, rows, dim,
+                            &out_rows[r0 * dim]);
+            prefetch.issue(kPrefetchBatch);
+          }
+          prefetch.issue(-1);
         }
-        prefetch.issue(-1);
-      }
-      for (int64_t r = 0; r < nrows; ++r) {
-        const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
-        for (int64_t d = 0; d < dim; ++d) natural[d] = out_rows[r * dim + pair_order_index(d)];
-        store_normalized(out + ((row0 + row.token) * hq + row.q_head) * dim, natural.data(),
-                         _mm512_reduce_add_ps(softmax[r].l), dim);
+        for (int64_t r = 0; r < nrows; ++r) {
+          const QueryRow row = query_row(first_row + r % rows, first_head + r / rows, group);
+          for (int64_t d = 0; d < dim; ++d) natural[d] = out_rows[r * dim + pair_order_index(d)];
+          store_normalized(out + ((row0 + row.token) * hq + row.q_head) * dim, natural.data(),
+                           _mm512_reduce_add_ps(softmax[r].l), dim);
+        }
       }
     }
   });
   return true;
 }
 #else
+bool bf16_attention_applies(at::Tensor, at::Tensor) { return false; }
 bool decode_attention_bf16(const DecodeProblem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*) {
   return false;
 }

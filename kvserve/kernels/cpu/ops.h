@@ -26,6 +26,10 @@ bool set_bf16_attention(bool enabled);
 // does: see amx_decode_supported). That kernel also takes prefill rows, which the vector kernel is not
 // meant for.
 bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window);
+// Whether decode_attention runs q [T, Hq, D] over k_cache [blocks, block_size, Hkv, D] on the AVX512-BF16
+// kernel where the AMX kernel does not (bf16, head dim a multiple of 32, built with AVX512-BF16 and enabled).
+// That kernel takes short prefill rows too (kvserve/kernels/attention_cpu.py).
+bool bf16_attention_applies(at::Tensor q, at::Tensor k_cache);
 // The most rows of x gemv_bf16 takes: past two rows oneDNN's packed kernels are as fast (the weight is
 // no longer the only cost; figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kGemvMaxRows = 2;
