@@ -178,8 +178,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
       for (int64_t kv_start = first_tile_key(p, slen - qlen), nkeys; kv_start < slen; kv_start += nkeys) {
         nkeys = tile_keys(p, kv_start, slen);
         prefetch.plan(p, table, kv_start + nkeys, kTile, slen, k_cache, v_cache, first_head, heads);
-        const int64_t tile_at =
-            (table[kv_start / p.block_size] * p.block_size + kv_start % p.block_size) * key_len + first_head * dim;
+        const int64_t tile_at = cache_row(p, table, kv_start, first_head);
         regroup_tile(v_cache + tile_at, key_len, nkeys, heads, dim, width, vf.data());
         prefetch.issue(kPrefetchBatch);
         regroup_tile(k_cache + tile_at, key_len, nkeys, heads, dim, dim, kf.data());

@@ -45,6 +45,12 @@ inline int64_t tile_keys(const DecodeProblem& p, int64_t kv_start, int64_t slen)
   return std::min({kTile, p.block_size - kv_start % p.block_size, slen - kv_start});
 }
 
+// The element offset of key `key`'s row of KV head `head` in a cache ([blocks, block_size, Hkv, D]), for the
+// sequence with block table `table`.
+inline int64_t cache_row(const DecodeProblem& p, const int64_t* table, int64_t key, int64_t head) {
+  return (table[key / p.block_size] * p.block_size + key % p.block_size) * p.hkv * p.dim + head * p.dim;
+}
+
 // Where query row r of a KV head reads and writes: row r of KV head `kv_head` is new token
 // r / group of its sequence (0-based among the sequence's new tokens), query head
 // kv_head * group + r % group. The same for every kernel, so both agree on the row order.
@@ -155,10 +161,10 @@ class PacedPrefetch {
     pairs_left_ = kMaxLines / 2;
     key_bytes_ = p.hkv * p.dim * static_cast<int64_t>(sizeof(T));
     row_bytes_ = heads * p.dim * static_cast<int64_t>(sizeof(T));
-    const int64_t key_len = p.hkv * p.dim, end = std::min(key + nkeys, keys_end);
+    const int64_t end = std::min(key + nkeys, keys_end);
     while (key < end && count_ < kMaxRuns) {  // runs of keys inside one block: one table look-up per run
-      const int64_t in_block = key % p.block_size, run = std::min(p.block_size - in_block, end - key);
-      const int64_t first = (table[key / p.block_size] * p.block_size + in_block) * key_len + first_head * p.dim;
+      const int64_t run = std::min(p.block_size - key % p.block_size, end - key);
+      const int64_t first = cache_row(p, table, key, first_head);
       runs_[count_++] = {reinterpret_cast<const char*>(k_cache + first), reinterpret_cast<const char*>(v_cache + first),
                          run};
       key += run;

@@ -280,7 +280,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
               std::memset(values + half * kTile * dim, 0, kTile * dim * sizeof(uint16_t));
               continue;
             }
-            const int64_t at = (table[key / p.block_size] * p.block_size + key % p.block_size) * key_len + head * dim;
+            const int64_t at = cache_row(p, table, key, head);
             regroup_value_pairs(v_cache + at, key_len, nkeys, dim, values + half * kTile * dim);
             prefetch.issue(kPrefetchBatch);
             _tile_zero(TILE_SCORES);

@@ -240,8 +240,7 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
         const int64_t keys_end = chunk_keys_end(slen, qlen, group, first_row, rows);
         for (int64_t kv_start = first_tile_key(p, last_key[0]), nkeys; kv_start < keys_end; kv_start += nkeys) {
           nkeys = tile_keys(p, kv_start, keys_end);
-          const int64_t tile_at =
-              (table[kv_start / p.block_size] * p.block_size + kv_start % p.block_size) * key_len + first_head * dim;
+          const int64_t tile_at = cache_row(p, table, kv_start, first_head);
           if (first_chunk && kv_start + nkeys < keys_end) {
             prefetch.plan(p, table, kv_start + nkeys, kTile, keys_end, k_cache, v_cache, first_head, heads);
           } else if (last_chunk && kv_start + nkeys >= keys_end && item + 1 < end) {

@@ -23,8 +23,7 @@ bool set_amx_attention(bool enabled);
 bool set_bf16_attention(bool enabled);
 // Whether decode_attention runs q [T, Hq, D] over k_cache [blocks, block_size, Hkv, D] on the AMX
 // kernel (dtype, head dim and block size allowed, AMX available and enabled; a windowed layer never
-// does: see amx_decode_supported). That kernel also takes prefill rows, which the vector kernel is not
-// meant for.
+// does: see amx_decode_supported). That kernel also takes prefill rows (kvserve/kernels/attention_cpu.py).
 bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window);
 // Whether decode_attention runs q [T, Hq, D] over k_cache [blocks, block_size, Hkv, D] on the AVX512-BF16
 // kernel where the AMX kernel does not (bf16, head dim a multiple of 32, built with AVX512-BF16 and enabled).
