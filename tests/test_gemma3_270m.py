@@ -38,7 +38,11 @@ MIN_TEACHER_FORCED_AGREEMENT = 0.995
 # position of "Photosynthesis ..." differs from HF where HF's margin is 0.109, before and after that day's
 # kernel changes alike.
 GEMV_MARGIN = 0.15
-MIN_GEMV_AGREEMENT = 0.985
+# How many positions fall at such near-ties depends on the path each greedy run takes, which a change in the
+# order of the kernels' float32 sums alters: on Zen 4 (2026-12-05) the same weights gave 383 and 378 of 384
+# with Gemma's Q8_0 matrices in GGML's layout and in row groups, whose results agree to 1e-6 (benchmarks/
+# RESULTS.md, "Q8_0 row groups"). Every miss is still bound by GEMV_MARGIN above.
+MIN_GEMV_AGREEMENT = 0.98
 
 
 @functools.cache

@@ -112,8 +112,9 @@ def multiplied_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def test_dequantize_rows_is_bit_identical(kernels, qtype: GGMLQuantizationType) -> None:
     for seed in range(3):
         blocks, n, k, _ = random_case(qtype, seed, 1)
-        ours = kernels.dequantize_rows(torch.from_numpy(blocks), int(qtype))
-        torch.testing.assert_close(ours, reference(blocks, qtype, n, k), rtol=0, atol=0)
+        ids = torch.from_numpy(np.random.default_rng(seed).integers(0, n, size=2 * n))  # any order, repeats
+        ours = kernels.dequantize_rows(torch.from_numpy(blocks), ids, int(qtype))
+        torch.testing.assert_close(ours, reference(blocks, qtype, n, k)[ids], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -183,7 +184,10 @@ def test_kernels_refuse_bad_input_by_name(kernels) -> None:
     with pytest.raises(RuntimeError, match=r"x must be \[M, 32\]"):
         kernels.quant_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q4_1))
     with pytest.raises(RuntimeError, match="whole number"):
-        kernels.dequantize_rows(torch.zeros(4, 21, dtype=torch.uint8), int(GGMLQuantizationType.Q4_1))
+        kernels.dequantize_rows(torch.zeros(4, 21, dtype=torch.uint8), torch.arange(4), int(GGMLQuantizationType.Q4_1))
+    for bad_id in (-1, 4):
+        with pytest.raises(RuntimeError, match=f"row id {bad_id} is outside the matrix's 4 rows"):
+            kernels.dequantize_rows(blocks, torch.tensor([0, bad_id]), int(GGMLQuantizationType.Q4_1))
 
 
 @needs_quant_gemv
@@ -221,24 +225,35 @@ def test_row_groups_are_a_permutation_of_the_blocks(qtype: GGMLQuantizationType)
     assert sorted(grouped.blocks.flatten().tolist()) == sorted(blocks.flatten().tolist())
     torch.testing.assert_close(grouped.ggml_blocks(), ggml.blocks, rtol=0, atol=0)
     torch.testing.assert_close(grouped.dequantize(), ggml.dequantize(), rtol=0, atol=0)
-    # the layout quant_row_groups.h states: row 3's scale d of block 1, and its element 16 + 4 * 2 + 1
+    # the layout quant_row_groups.h states: row 3's scale d of block 1, and its qs byte 4 * 2 + 1
     block_bytes = GGML_QUANT_SIZES[qtype][1]
     group_block = grouped.blocks[0, 8 * block_bytes : 16 * block_bytes].numpy()
     row3_block1 = blocks[3, block_bytes : 2 * block_bytes]
     assert bytes(group_block[6:8]) == bytes(row3_block1[0:2])
-    fields = block_bytes - 16
+    fields = block_bytes - (32 if qtype == GGMLQuantizationType.Q8_0 else 16)
     assert group_block[8 * fields + 32 * 2 + 4 * 3 + 1] == row3_block1[fields + 4 * 2 + 1]
+
+
+@pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_gathers_rows_from_row_groups(kernels, qtype: GGMLQuantizationType) -> None:
+    """The embedding's gather from a tied table kept in row groups: any rows, exactly as GGML's layout."""
+    gen = np.random.default_rng(9)
+    blocks = random_blocks(qtype, 32, 128, gen)
+    grouped = QuantizedTensor(torch.from_numpy(blocks), qtype, (32, 128)).interleaved()
+    ids = torch.tensor([31, 0, 9, 9, 8, 17, 3])
+    ours = kernels.dequantize_rows(grouped.blocks, ids, grouped.kernel_type)
+    torch.testing.assert_close(ours, reference(blocks, qtype, 32, 128)[ids], rtol=0, atol=0)
 
 
 def test_only_whole_groups_of_grouped_types_are_interleaved() -> None:
     gen = np.random.default_rng(8)
-    q8 = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q8_0, 16, 64, gen)),
-                         GGMLQuantizationType.Q8_0, (16, 64))  # fmt: skip
+    q5 = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q5_0, 16, 64, gen)),
+                         GGMLQuantizationType.Q5_0, (16, 64))  # fmt: skip
     odd = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 12, 64, gen)),
                           GGMLQuantizationType.Q4_1, (12, 64))  # fmt: skip
-    assert q8.interleaved() is q8 and odd.interleaved() is odd
+    assert q5.interleaved() is q5 and odd.interleaved() is odd
     with pytest.raises(ValueError, match="row groups of 8"):
-        QuantizedTensor(q8.blocks.view(2, -1), GGMLQuantizationType.Q8_0, (16, 64), ROW_GROUP_ROWS)
+        QuantizedTensor(q5.blocks.view(2, -1), GGMLQuantizationType.Q5_0, (16, 64), ROW_GROUP_ROWS)
 
 
 def row_group_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tuple:
@@ -283,13 +298,13 @@ def test_quant_gemv_on_row_groups_equals_it_on_ggml_blocks(kernels, qtype, dtype
 
 @needs_quant_gemv
 @pytest.mark.parametrize("decode_step", [False, True], ids=["prefill step", "decode step"])
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
 def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype, decode_step) -> None:
     blocks, grouped, x = row_group_case(GGMLQuantizationType.Q4_1, 60, 1)
-    if qtype == GGMLQuantizationType.Q8_0:
+    if qtype == GGMLQuantizationType.Q5_0:
         n, k = grouped.shape
-        q8_blocks = random_blocks(qtype, n, k, np.random.default_rng(61))
-        grouped = QuantizedTensor(torch.from_numpy(q8_blocks), qtype, (n, k))
+        q5_blocks = random_blocks(qtype, n, k, np.random.default_rng(61))
+        grouped = QuantizedTensor(torch.from_numpy(q5_blocks), qtype, (n, k))
     int8_rows = kernels.int8_max_rows(grouped.kernel_type)
     grouped_rows = 64 if kernels.amx_available() else 128  # row groups: fewer where AMX makes panels cheap
     assert int8_rows == (grouped_rows if qtype == GGMLQuantizationType.Q4_1 else 8)  # row groups, GGML's layout
@@ -300,3 +315,29 @@ def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(ke
         expected = kernel(xs, grouped.blocks, grouped.kernel_type)
         ours = kernels.quant_product(xs, grouped.blocks, grouped.kernel_type, decode_step)
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+@needs_quant_gemv
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0],
+                         ids=lambda t: t.name)  # fmt: skip
+def test_gated_products_are_silu_mul_of_the_product(kernels, qtype: GGMLQuantizationType) -> None:
+    """quant_product(gated) of W = [gate; up] is silu_mul of its product. On row groups whose halves are whole
+    groups the GEMV gates inside the kernel, from the float32 results, so in bf16 it equals silu_mul of the
+    float32 product rounded once; elsewhere (GGML's layout, halves of odd group counts, the panel product)
+    silu_mul follows the product in x's dtype."""
+    gen = np.random.default_rng(70)
+    for n in (48, 24):  # halves of 3 groups (gated in the kernel), of 1.5 groups (silu_mul after)
+        k = 96
+        ggml = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k))
+        weight = ggml.interleaved()
+        most = kernels.int8_max_rows(weight.kernel_type)
+        for rows in (1, 5, most + 1):
+            x = torch.from_numpy(gen.standard_normal((rows, k)).astype(np.float32))
+            product = kernels.quant_product(x, weight.blocks, weight.kernel_type, True)
+            gated = kernels.quant_product(x, weight.blocks, weight.kernel_type, True, gated=True)
+            torch.testing.assert_close(gated, kernels.silu_mul(product), rtol=0, atol=0)
+            in_kernel = weight.row_group > 1 and n % 16 == 0 and rows <= most
+            x16 = x.bfloat16()
+            gated = kernels.quant_product(x16, weight.blocks, weight.kernel_type, True, gated=True)
+            product = kernels.quant_product(x16.float() if in_kernel else x16, weight.blocks, weight.kernel_type, True)
+            torch.testing.assert_close(gated, kernels.silu_mul(product).bfloat16(), rtol=0, atol=0)

@@ -12,9 +12,10 @@ batch 1's always has on the GEMV. A fused projection whose parts differ in block
 (StackedQuantizedTensor) runs a product per part and concatenates their columns.
 
 The embedding table, when quantized, stays in its blocks: a step gathers the rows of its tokens and
-dequantizes only those (exactly, as gguf does). A dequantized copy would cost the table's float size
-again in memory (49152 x 576 float32 is 113 MB for SmolLM2, whose table is also its LM head), to save a
-dequantization of a few rows per step.
+dequantizes only those (exactly, as gguf does), from GGML's layout or from row groups, where a tied
+table (SmolLM2's, Gemma 3's: also the LM head) lies so that the head's products run the GEMV. A
+dequantized copy would cost the table's float size again in memory (49152 x 576 float32 is 113 MB for
+SmolLM2), to save a dequantization of a few rows per step.
 """
 
 from __future__ import annotations
@@ -72,15 +73,15 @@ def quantized_kernels() -> ModuleType | None:
 
 @dataclass(frozen=True)
 class QuantizedLinear:
-    """x @ W^T for W in GGUF blocks; with `silu_mul` (W = [gate; up]) silu(gate) * up of the product."""
+    """x @ W^T for W in GGUF blocks; `gated` (W = [gate; up]): silu(gate) * up of the product, which the
+    GEMV on row groups computes while the two halves' results are in registers."""
 
     kernels: ModuleType
     weight: QuantizedTensor
-    silu_mul: LinearFn | None = None
+    gated: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.quant_product(x, self.weight.blocks, self.weight.kernel_type, in_decode_step())
-        return y if self.silu_mul is None else self.silu_mul(y)
+        return self.kernels.quant_product(x, self.weight.blocks, self.weight.kernel_type, in_decode_step(), self.gated)
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,14 @@ class StackedQuantizedLinear:
 def make_quantized_linear(
     weight: Quantized, silu_mul: LinearFn | None = None
 ) -> QuantizedLinear | StackedQuantizedLinear:
+    """x @ W^T, or with `silu_mul` (W = [gate; up]) silu(gate) * up: the kernels' own where W is one
+    QuantizedTensor, `silu_mul` after the concatenated parts' products where it is stacked."""
     kernels = quantized_kernels()
     if kernels is None:
         raise ValueError("weights are kept in GGUF blocks only where kvserve's quantized kernels run")
     if isinstance(weight, StackedQuantizedTensor):
         return StackedQuantizedLinear(tuple(QuantizedLinear(kernels, part) for part in weight.parts), silu_mul)
-    return QuantizedLinear(kernels, weight, silu_mul)
+    return QuantizedLinear(kernels, weight, gated=silu_mul is not None)
 
 
 def make_embedding(table: torch.Tensor | QuantizedTensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -114,5 +117,4 @@ def make_embedding(table: torch.Tensor | QuantizedTensor) -> Callable[[torch.Ten
     kernels = quantized_kernels()
     if kernels is None:
         raise ValueError("a quantized embedding table needs kvserve's quantized kernels")
-    blocks = table.ggml_blocks()  # the table's own blocks: ModelWeights never puts an embedding in row groups
-    return lambda ids: kernels.dequantize_rows(blocks.index_select(0, ids), int(table.qtype))
+    return lambda ids: kernels.dequantize_rows(table.blocks, ids, table.kernel_type)

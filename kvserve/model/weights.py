@@ -110,13 +110,10 @@ class ModelWeights:
                 layer.post_attn_norm = dense(p + "post_attention_layernorm.weight")
                 layer.post_mlp_norm = dense(p + "post_feedforward_layernorm.weight")
             layers.append(layer)
-        embed = take("model.embed_tokens.weight")
+        embed = _interleaved(take("model.embed_tokens.weight"))  # its gather reads either layout
         assert not isinstance(embed, StackedQuantizedTensor)  # only fused projections are stacked
         head = tensors.pop("lm_head.weight", None)
-        if config.tie_word_embeddings or head is None:
-            head = embed  # the table's layout: its rows are gathered as well as multiplied
-        else:
-            head = _interleaved(head)
+        head = embed if config.tie_word_embeddings or head is None else _interleaved(head)
         final_norm = dense("model.norm.weight")
         if tensors:
             raise ValueError(f"unexpected tensors for a {config.family} model: {sorted(tensors)[:5]}")

@@ -23,14 +23,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
   m.def("linear_tiles_fma", &linear_tiles_fma, "linear_amx's product on float32 FMAs (AVX-512 or AVX2), same packed W",
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
-  m.def("dequantize_rows", &dequantize_rows, "GGUF block rows (uint8 [N, row_bytes]) of a GGML type -> float32 [N, K]");
-  m.def("quant_gemv", &quant_gemv, "x @ W.T, W in GGUF blocks or row groups read once; x quantized per 32 to int8");
+  m.def("dequantize_rows", &dequantize_rows, "rows ids of a matrix in GGUF blocks or row groups -> float32 [T, K]");
+  m.def("quant_gemv", &quant_gemv, "x @ W.T, W in GGUF blocks or row groups read once; x quantized per 32 to int8",
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("gated") = false);
   m.def("int8_max_rows", &int8_max_rows, "the most rows quant_product gives quant_gemv for this block type");
   m.def("quant_linear", &quant_linear, "x @ W.T for any rows, W in GGUF blocks dequantized panel by panel");
   m.def("set_fma_products", &set_fma_products,
         "quant_linear: bf16 x on float32 FMAs on AVX-512 without AMX; returns the old value");
   m.def("quant_product", &quant_product, "x @ W.T as the model runs it: quant_gemv where it takes the rows",
-        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("decode_step"));
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("decode_step"), py::arg("gated") = false);
   m.def("decode_layers", &decode_layers,
         "every decoder layer of a decode step (bf16 or GGUF-block weights), final norm applied");
 }

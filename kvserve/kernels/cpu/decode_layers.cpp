@@ -21,16 +21,13 @@ namespace {
 // up]): silu(gate) * up.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* tiles, int64_t block_type,
                    bool gated, bool decode_step) {
-  at::Tensor y;
-  if (block_type >= 0) {
-    y = quant_product(x, weight, block_type, decode_step);
-  } else if (x.size(0) <= kGemvMaxRows) {
-    y = gemv_bf16(x, weight);
-  } else {
-    TORCH_CHECK(tiles != nullptr, "decode_layers takes more than ", kGemvMaxRows, " bf16 rows only with packed tiles");
-    return amx_permitted() ? linear_amx(x.contiguous(), *tiles, gated) : linear_tiles_fma(x, *tiles, gated);
+  if (block_type >= 0) return quant_product(x, weight, block_type, decode_step, gated);
+  if (x.size(0) <= kGemvMaxRows) {
+    const at::Tensor y = gemv_bf16(x, weight);
+    return gated ? silu_mul(y) : y;
   }
-  return gated ? silu_mul(y) : y;
+  TORCH_CHECK(tiles != nullptr, "decode_layers takes more than ", kGemvMaxRows, " bf16 rows only with packed tiles");
+  return amx_permitted() ? linear_amx(x.contiguous(), *tiles, gated) : linear_tiles_fma(x, *tiles, gated);
 }
 
 }  // namespace

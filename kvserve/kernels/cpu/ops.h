@@ -38,11 +38,13 @@ at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
 // The same product on float32 FMAs (AVX-512 or AVX2), the same packed weight: CPUs without AMX.
 at::Tensor linear_tiles_fma(at::Tensor x, at::Tensor packed, bool gated);
 // Quantized weights: `blocks` uint8 [N, row_bytes] of GGML block type `type` (quant_blocks.h).
-// The rows dequantized to float32 [N, K], exactly as gguf.quants.dequantize computes them.
-at::Tensor dequantize_rows(at::Tensor blocks, int64_t type);
+// Rows `ids` (int [T], each < N) of the matrix dequantized to float32 [T, K], exactly as
+// gguf.quants.dequantize computes them; `type` a GGML type or a row-group type (quant_row_groups.h).
+at::Tensor dequantize_rows(at::Tensor blocks, at::Tensor ids, int64_t type);
 // x [M >= 1, K] (float32 or bf16) @ W^T on the blocks as they lie (GGML's layout or row groups,
 // quant_row_groups.h), x quantized per 32 elements to int8 (not exact: see quant_gemv.cpp); y in x's dtype.
-at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type);
+// `gated` (W = [gate; up]): silu(gate) * up, [M, N / 2], gated inside the kernel on row groups.
+at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type, bool gated = false);
 // The most rows quant_product gives quant_gemv for blocks of GGML type (or row-group type) `type`.
 int64_t int8_max_rows(int64_t type);
 // x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
@@ -54,11 +56,11 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
 bool set_fma_products(bool enabled);
 // x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, or
 // in a decode step (every row follows generated tokens: decode, verify, draft) up to int8_max_rows(type);
-// else quant_linear.
+// else quant_linear. `gated` as quant_gemv's.
 // Prefill steps stay exact: int8 activations there move the engine's greedy tokens off the dequantized
 // engine's (benchmarks/RESULTS.md, "Row groups"), and the KV they write serves every later token; a
 // decode step's rows each make one token, as batch 1's always have ("int8 decode batches").
-at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step);
+at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step, bool gated = false);
 // decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
 // `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved);
 // `block_types`: none (every projection a bf16 matrix), or per layer the GGML block type of each of the

@@ -115,6 +115,7 @@ Activations quantize_int8(const T* x, int64_t rows, int64_t k) {
 // are equal wherever no int16 pair sum saturates, which every caller below ensures.
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define KVSERVE_HAS_VNNI 1
+constexpr bool kVnni = true;
 inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
@@ -122,7 +123,22 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
   return _mm256_dpbusd_avx_epi32(acc, u, s);
 #endif
 }
+#else
+constexpr bool kVnni = false;
 #endif
+
+// Eight results into y's dtype: float32, or bf16 rounded to nearest even with NaN kept quiet, as
+// from_float (common.h) rounds one.
+inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
+inline void store8(uint16_t* y, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), packed);
+}
 
 // Eight int32 sums of pairs of pairs of u8 x s8 products: sum over 32 bytes, spread over 8 lanes.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -211,9 +227,9 @@ inline void block_dot(const uint8_t* b, const ActivationRows& x, int64_t xb, __m
   }
 }
 
-// Rows n .. n+R-1 of y (float32 [M, n_total]) for the M rows of x.
-template <typename Block, int M, int R>
-inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const ActivationRows& x, float* y, int64_t n, int64_t n_end,
+// Rows n .. n+R-1 of y (x's dtype, [M, n_total]) for the M rows of x.
+template <typename Block, int M, int R, typename Out>
+inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const ActivationRows& x, Out* y, int64_t n, int64_t n_end,
                       int64_t n_total) {
   __m256 acc[R][M];
   float corr[R][M];
@@ -231,7 +247,7 @@ inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const ActivationRows&
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * n_total + n + r] = reduce_add(acc[r][m]) + corr[r][m];
+    for (int m = 0; m < M; ++m) y[m * n_total + n + r] = from_float<Out>(reduce_add(acc[r][m]) + corr[r][m]);
 }
 
 // fn(m, std::integral_constant<int, M>{}) for the chunks of x's `rows` rows: m the chunk's first row, M
@@ -245,8 +261,8 @@ inline void for_row_chunks(int64_t rows, Fn&& fn) {
   }(std::make_integer_sequence<int, kRowChunk - 1>{});
 }
 
-template <typename Block>
-void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int64_t rows, float* y, int64_t n_total) {
+template <typename Block, typename Out>
+void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int64_t rows, Out* y, int64_t n_total) {
   at::parallel_for(0, n_total, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; n += kWeightRows) {
       for_row_chunks(rows, [&](int64_t m, auto chunk) {
@@ -263,14 +279,21 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
 
 // The same product over row groups (quant_row_groups.h): each 32-bit lane is one of the group's eight
 // rows, so the scales of eight rows load as one vector and every product, sum and scaling serves eight
-// rows at once; the results of a group are eight adjacent outputs, stored as one vector. Per x block, the
-// eight u8 x s8 pair products per lane are summed in int16 before widening: eight of them reach at most
-// 8 * 2 * 15 * 127 = 30,480 < 32,767 (x's int8 never holds -128: |q| <= 127 by its scale).
+// rows at once; the results of a group are eight adjacent outputs, stored as one vector. Per x block:
+// - 4-bit types: the eight u8 x s8 pair products per lane are summed in int16 before widening; eight of
+//   them reach at most 8 * 2 * 15 * 127 = 30,480 < 32,767 (x's int8 never holds -128: |q| <= 127 by its
+//   scale). The offsets (Q4_0's -8 d, Q4_1's m) multiply the sum of x, in a chain of their own.
+// - Q8_0 with VNNI: the weights flipped to unsigned (w + 128, one xor), dpbusd against x, and 128 times
+//   the block's integer sum of x taken off in int32, so the dot is exact before its one conversion.
+//   Without VNNI, maddubs takes |w| against x with w's sign (as the GGML layout's Q8_0), each pair sum at
+//   most 2 * 128 * 127 = 32,512, widened to int32 per vector since two would overflow int16.
 //
-// The M rows of x times group block row `group` (all its blocks) into y.
+// The M rows of x times group block row `group` (all its blocks): out[m], the group's eight results for
+// row m.
 template <typename Group, int M>
-inline void row_group_rows(const uint8_t* group, const ActivationRows& x, float* y, int64_t n_total, int64_t g) {
-  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;  // else Q4_0: offset -8 d
+inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
+  constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;  // else Q4_0: offset -8 d
   const int64_t xblocks = x.k / kXBlock;
   const __m256i mask = _mm256_set1_epi8(0xF);
   __m256 acc[M], acc_offset[M];  // the integer products' terms and the offsets' (separate chains)
@@ -278,48 +301,76 @@ inline void row_group_rows(const uint8_t* group, const ActivationRows& x, float*
   const uint8_t* p = group;
   for (int64_t b = 0; b < xblocks; ++b, p += Group::kBytes) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 offset = kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
-                               : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    const __m256 offset = kEight ? _mm256_setzero_ps()
+                          : kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
     __m256i q[8];  // q[t]: elements 4t .. 4t+3 of each row (quant_row_groups.h)
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < Group::kQsVectors; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + Group::kQsOffset + 32 * j));
-      q[j] = _mm256_and_si256(v, mask);
-      q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      if constexpr (kEight) {
+#ifdef KVSERVE_HAS_VNNI
+        q[j] = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128, unsigned
+#else
+        q[j] = v;
+#endif
+      } else {
+        q[j] = _mm256_and_si256(v, mask);
+        q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
     }
     for (int m = 0; m < M; ++m) {
       const int64_t i = m * xblocks + b;
       const int8_t* xq = x.q + i * kXBlock;
-      __m256i sum = _mm256_setzero_si256();  // int32 lanes with VNNI, else int16 pairs
+      // Two chains, even and odd t, so the dot products' latencies overlap; with VNNI, Q8_0's unsigned
+      // weights (w + 128) count 128 times x's sum too, so its first chain starts at minus that.
+      const int32_t start = kEight && kVnni ? -128 * (x.sum16[2 * i] + x.sum16[2 * i + 1]) : 0;
+      __m256i sums[2] = {_mm256_set1_epi32(start), _mm256_setzero_si256()};
       for (int t = 0; t < 8; ++t) {
         int32_t four;
         std::memcpy(&four, xq + 4 * t, 4);
+        const __m256i xs = _mm256_set1_epi32(four);
+        __m256i& sum = sums[t % 2];
 #ifdef KVSERVE_HAS_VNNI
-        sum = dpbusd(sum, q[t], _mm256_set1_epi32(four));
+        sum = dpbusd(sum, q[t], xs);
 #else
-        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[t], _mm256_set1_epi32(four)));
+        if constexpr (kEight)
+          sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(q[t]), _mm256_sign_epi8(xs, q[t])));
+        else
+          sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[t], xs));
 #endif
       }
-#ifdef KVSERVE_HAS_VNNI
-      const __m256 dot = _mm256_cvtepi32_ps(sum);
-#else
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
-#endif
+      constexpr bool kInt32Sums = kVnni || kEight;  // else int16 pairs, widened once here
+      const __m256i sum = kInt32Sums ? _mm256_add_epi32(sums[0], sums[1]) : _mm256_add_epi16(sums[0], sums[1]);
+      const __m256 dot = _mm256_cvtepi32_ps(kInt32Sums ? sum : _mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
       acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[m]);
-      acc_offset[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sum32[i]), acc_offset[m]);
+      if constexpr (!kEight) acc_offset[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sum32[i]), acc_offset[m]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    _mm256_storeu_ps(y + m * n_total + g * Group::kRows, _mm256_add_ps(acc[m], acc_offset[m]));
+  for (int m = 0; m < M; ++m) out[m] = _mm256_add_ps(acc[m], acc_offset[m]);
 }
 
-// Every row of x, kRowChunk at a time over each group; each thread takes whole groups.
-template <typename Group>
-void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, float* y,
-                      int64_t n_total) {
-  at::parallel_for(0, n_total / Group::kRows, 4, [&](int64_t begin, int64_t end) {
+// Every row of x, kRowChunk at a time over each group; each thread takes whole groups. Gated (W = [gate;
+// up], gate_groups = the groups of each half): y = silu(gate) * up, group g's results beside group
+// gate_groups + g's while both are in registers, as silu_mul (layer_ops.cpp) computes them from float32;
+// else gate_groups = 0 and y = x @ W^T. y has `columns` columns.
+template <typename Group, typename Out>
+void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, Out* y, int64_t groups,
+                      int64_t gate_groups) {
+  const int64_t outputs = gate_groups > 0 ? gate_groups : groups, columns = outputs * Group::kRows;
+  at::parallel_for(0, outputs, 4, [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
     for (int64_t g = begin; g < end; ++g)
-      for_row_chunks(rows, [&](int64_t m, auto chunk) {
-        row_group_rows<Group, decltype(chunk)::value>(w + g * group_bytes, x.from_row(m), y + m * n_total, n_total, g);
+      for_row_chunks(rows, [&](int64_t m0, auto chunk) {
+        constexpr int M = decltype(chunk)::value;
+        __m256 out[M];
+        row_group_rows<Group, M>(w + g * group_bytes, x.from_row(m0), out);
+        if (gate_groups > 0) {
+          __m256 up[M];
+          row_group_rows<Group, M>(w + (gate_groups + g) * group_bytes, x.from_row(m0), up);
+          for (int m = 0; m < M; ++m)
+            out[m] = out[m] / (splat<__m256>(1.f) + fast_exp(splat<__m256>(0.f) - out[m])) * up[m];
+        }
+        for (int m = 0; m < M; ++m) store8(y + (m0 + m) * columns + g * Group::kRows, out[m]);
       });
   });
 }
@@ -327,26 +378,30 @@ void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& 
 }  // namespace
 #endif
 
-at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type) {
+at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type, bool gated) {
   RECORD_FUNCTION("kvserve::quant_gemv", {});  // named in torch profiler traces
 #ifdef KVSERVE_HAS_QUANT_GEMV
   return quant::visit_kernel_type(type, [&](auto block) {
     using Block = decltype(block);
-    constexpr bool kGroups = quant::rows_per_stored_row<Block>() > 1;
-    const int64_t k = quant::columns_of<Block>(blocks), rows = x.size(0);
-    const int64_t n = blocks.size(0) * quant::rows_per_stored_row<Block>();
+    constexpr int64_t kRows = quant::rows_per_stored_row<Block>();
+    const int64_t k = quant::columns_of<Block>(blocks), rows = x.size(0), n = blocks.size(0) * kRows;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
     TORCH_CHECK(rows >= 1, "quant_gemv takes one row or more, got ", rows);
+    TORCH_CHECK(!gated || n % 2 == 0, "a gated W = [gate; up] has an even number of rows, got ", n);
+    // Row groups gate in the kernel where each half is whole groups; elsewhere silu_mul follows.
+    const bool fused = kRows > 1 && gated && blocks.size(0) % 2 == 0;
     x = x.contiguous();
-    Activations acts;
-    KVSERVE_DISPATCH(x.scalar_type(), [&] { acts = quantize_int8(raw<scalar_t>(x), rows, k); });
-    auto y = at::empty({rows, n}, x.options().dtype(at::kFloat));
+    auto y = at::empty({rows, fused ? n / 2 : n}, x.options());
     const uint8_t* w = blocks.data_ptr<uint8_t>();
-    if constexpr (kGroups)
-      row_group_kernel<Block>(w, blocks.size(1), acts, rows, y.data_ptr<float>(), n);
-    else
-      gemv_kernel<Block>(w, blocks.size(1), acts, rows, y.data_ptr<float>(), n);
-    return y.to(x.scalar_type());
+    KVSERVE_DISPATCH(x.scalar_type(), [&] {
+      const Activations acts = quantize_int8(raw<scalar_t>(x), rows, k);
+      if constexpr (kRows > 1)
+        row_group_kernel<Block>(w, blocks.size(1), acts, rows, raw<scalar_t>(y), blocks.size(0),
+                                fused ? blocks.size(0) / 2 : 0);
+      else
+        gemv_kernel<Block>(w, blocks.size(1), acts, rows, raw<scalar_t>(y), n);
+    });
+    return gated && !fused ? silu_mul(y) : y;
   });
 #else
   TORCH_CHECK(false, "quant_gemv needs a CPU with AVX2, FMA and F16C");

@@ -211,10 +211,12 @@ int64_t int8_max_rows(int64_t type) {
   });
 }
 
-at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step) {
+at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step, bool gated) {
   // Where quant_gemv does not build (no AVX2), no weights stay in blocks: quantized_linear.py probes it.
   const int64_t rows = x.size(0), most = decode_step ? int8_max_rows(type) : kGemvMaxRows;
-  return rows >= 1 && rows <= most ? quant_gemv(x, blocks, type) : quant_linear(x, blocks, type);
+  if (rows >= 1 && rows <= most) return quant_gemv(x, blocks, type, gated);
+  const at::Tensor y = quant_linear(x, blocks, type);
+  return gated ? silu_mul(y) : y;
 }
 
 }  // namespace kvserve

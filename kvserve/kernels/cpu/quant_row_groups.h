@@ -5,11 +5,13 @@
 // sum per row at the end) that a row group spends once per eight rows. kvserve/model/quantized.py packs
 // the groups at load (`QuantizedTensor.interleaved`); the bytes are a permutation of GGML's, no more.
 //
-// Group block b of rows 8g .. 8g+7 (Base = Q4_0 or Q4_1, whose blocks are [f16 fields][qs 16 bytes]):
-//   [field 0 of rows 0-7: 8 x f16][field 1 of rows 0-7 (Q4_1's m)][qs: 4 vectors of 32 bytes]
-// where byte 4r + t of qs vector j is byte 4j + t of row r's qs. A qs byte holds element i in its low
-// nibble and element i + 16 in its high one (GGML's), so the low nibbles of vector j are elements
-// 4j .. 4j+3 of each row, lane r, and its high nibbles elements 16 + 4j .. 16 + 4j + 3.
+// Group block b of rows 8g .. 8g+7 (Base = Q4_0, Q4_1 or Q8_0, whose blocks are [f16 fields][qs]: 16 qs
+// bytes for the 4-bit types, 32 for Q8_0):
+//   [field 0 of rows 0-7: 8 x f16][field 1 of rows 0-7 (Q4_1's m)][qs: kQsBytes / 4 vectors of 32 bytes]
+// where byte 4r + t of qs vector j is byte 4j + t of row r's qs. A 4-bit type's qs byte holds element i in
+// its low nibble and element i + 16 in its high one (GGML's), so the low nibbles of vector j are elements
+// 4j .. 4j+3 of each row, lane r, and its high nibbles elements 16 + 4j .. 16 + 4j + 3; Q8_0's vector j
+// holds elements 4j .. 4j+3 of each row as signed bytes.
 //
 // The matrix is uint8 [N / 8, K / 32 * kBytes]; a type number kRowGroupTypeOffset + Base::kType names
 // it to the kernels (kvserve/model/quantized.py: ROW_GROUP_TYPE_OFFSET, the same number).
@@ -23,24 +25,58 @@ constexpr int64_t kRowGroupTypeOffset = 256;  // above every GGML type number
 
 template <typename Base>
 struct RowGroup {
-  static_assert(std::is_same_v<Base, Q4_0> || std::is_same_v<Base, Q4_1>);
+  static_assert(std::is_same_v<Base, Q4_0> || std::is_same_v<Base, Q4_1> || std::is_same_v<Base, Q8_0>);
   static constexpr int64_t kRows = 8, kElems = Base::kElems, kBytes = kRows * Base::kBytes;
   static constexpr int64_t kType = kRowGroupTypeOffset + Base::kType;
-  static constexpr int64_t kFieldBytes = Base::kBytes - 16;  // Q4_0: d; Q4_1: d, m
+  static constexpr int64_t kQsBytes = std::is_same_v<Base, Q8_0> ? 32 : 16, kQsVectors = kQsBytes / 4;
+  static constexpr int64_t kFieldBytes = Base::kBytes - kQsBytes;  // Q4_0, Q8_0: d; Q4_1: d, m
   static constexpr int64_t kQsOffset = kRows * kFieldBytes;
 
   // Row r's block in GGML's layout (Base::kBytes bytes) from group block `group`.
   static void gather(const uint8_t* group, int64_t r, uint8_t* block) {
     for (int64_t f = 0; f < kFieldBytes / 2; ++f) std::memcpy(block + 2 * f, group + f * 2 * kRows + 2 * r, 2);
-    for (int64_t j = 0; j < 4; ++j) std::memcpy(block + kFieldBytes + 4 * j, group + kQsOffset + 32 * j + 4 * r, 4);
+    for (int64_t j = 0; j < kQsVectors; ++j)
+      std::memcpy(block + kFieldBytes + 4 * j, group + kQsOffset + 32 * j + 4 * r, 4);
+  }
+
+  // Row r's Base::kElems values of group block `group`, exactly as Base::dequantize (one row: the
+  // embedding's gather; dequantize_group serves whole groups).
+  template <typename Out>
+  static void dequantize_row(const uint8_t* group, int64_t r, Out* out) {
+    uint8_t block[Base::kBytes];
+    gather(group, r, block);
+    Base::dequantize(block, out);
   }
 
   // The eight rows of group block `group` dequantized into out + r * stride (row r's Base::kElems floats),
-  // exactly as Base::dequantize (and gguf) computes them: a transpose of the four qs vectors gives each
-  // row its 16 GGML qs bytes, then the same vector operations as GGML's layout.
+  // exactly as Base::dequantize (and gguf) computes them: a transpose of the qs vectors gives each row
+  // its GGML qs bytes, then the same vector operations as GGML's layout.
   template <typename Out>
   static void dequantize_group(const uint8_t* group, Out* out, int64_t stride) {
 #ifdef KVSERVE_QUANT_AVX2
+    if constexpr (std::is_same_v<Base, Q8_0>) {
+      const __m256i* qs = reinterpret_cast<const __m256i*>(group + kQsOffset);
+      __m256i v[8];  // dword r of v[j]: row r's qs bytes 4j .. 4j+3
+      for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(qs + j);
+      // An 8 x 8 transpose of dwords: per 128-bit lane (rows 0-3, 4-7) pairs of j, then quads, then halves.
+      __m256i pairs[8], quads[8];
+      for (int j = 0; j < 8; j += 2) {
+        pairs[j] = _mm256_unpacklo_epi32(v[j], v[j + 1]);      // rows 0, 1 | 4, 5: j, j + 1
+        pairs[j + 1] = _mm256_unpackhi_epi32(v[j], v[j + 1]);  // rows 2, 3 | 6, 7
+      }
+      for (int h = 0; h < 2; ++h)      // h: j 0-3 or 4-7
+        for (int s = 0; s < 2; ++s) {  // s: rows 0, 1 | 4, 5 or rows 2, 3 | 6, 7
+          quads[4 * h + 2 * s] = _mm256_unpacklo_epi64(pairs[4 * h + s], pairs[4 * h + 2 + s]);  // row 2s | 2s + 4
+          quads[4 * h + 2 * s + 1] = _mm256_unpackhi_epi64(pairs[4 * h + s], pairs[4 * h + 2 + s]);
+        }
+      for (int p = 0; p < 4; ++p) {  // quads[p]: rows p | p + 4, j 0-3; quads[4 + p]: the same rows, j 4-7
+        const float d = half_to_float(group + 2 * p), d_high = half_to_float(group + 2 * (p + 4));
+        widen32<false>(_mm256_permute2x128_si256(quads[p], quads[4 + p], 0x20), d, d, 0.f, out + p * stride);
+        widen32<false>(_mm256_permute2x128_si256(quads[p], quads[4 + p], 0x31), d_high, d_high, 0.f,
+                       out + (p + 4) * stride);
+      }
+      return;
+    }
     const __m256i* qs = reinterpret_cast<const __m256i*>(group + kQsOffset);
     const __m256i v0 = _mm256_loadu_si256(qs), v1 = _mm256_loadu_si256(qs + 1);
     const __m256i v2 = _mm256_loadu_si256(qs + 2), v3 = _mm256_loadu_si256(qs + 3);
@@ -56,11 +92,7 @@ struct RowGroup {
     }
     return;
 #endif
-    uint8_t block[Base::kBytes];
-    for (int64_t r = 0; r < kRows; ++r) {
-      gather(group, r, block);
-      Base::dequantize(block, out + r * stride);
-    }
+    for (int64_t r = 0; r < kRows; ++r) dequantize_row(group, r, out + r * stride);
   }
 
  private:
@@ -85,6 +117,8 @@ decltype(auto) visit_kernel_type(int64_t type, Fn&& fn) {
       return fn(RowGroup<Q4_0>{});
     case RowGroup<Q4_1>::kType:
       return fn(RowGroup<Q4_1>{});
+    case RowGroup<Q8_0>::kType:
+      return fn(RowGroup<Q8_0>{});
   }
   return visit_type(type, [&](auto block) { return fn(block); });
 }
@@ -112,6 +146,19 @@ inline void dequantize_rows_into(const uint8_t* blocks, int64_t row_bytes, int64
       else
         Block::dequantize_group(block, tile + r * k + b * Block::kElems, k);
     }
+}
+
+// Weight row `row` (K values) dequantized into out, in either layout, exactly as Block's base type does.
+template <typename Block, typename Out>
+inline void dequantize_row(const uint8_t* blocks, int64_t row_bytes, int64_t row, int64_t k, Out* out) {
+  constexpr int64_t kRows = rows_per_stored_row<Block>();
+  const uint8_t* stored = blocks + row / kRows * row_bytes;
+  for (int64_t b = 0; b < k / Block::kElems; ++b) {
+    if constexpr (kRows == 1)
+      Block::dequantize(stored + b * Block::kBytes, out + b * Block::kElems);
+    else
+      Block::dequantize_row(stored + b * Block::kBytes, row % kRows, out + b * Block::kElems);
+  }
 }
 
 }  // namespace kvserve::quant
