@@ -323,8 +323,9 @@ def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(ke
 def test_gated_products_are_silu_mul_of_the_product(kernels, qtype: GGMLQuantizationType) -> None:
     """quant_product(gated) of W = [gate; up] is silu_mul of its product. On row groups whose halves are whole
     groups the GEMV gates inside the kernel, from the float32 results, so in bf16 it equals silu_mul of the
-    float32 product rounded once; elsewhere (GGML's layout, halves of odd group counts, the panel product)
-    silu_mul follows the product in x's dtype."""
+    float32 product rounded once; elsewhere (GGML's layout, halves of odd group counts) silu_mul follows the
+    product in x's dtype. float32 x: at every row count (the panel product's float32 form gates after it);
+    bf16 panels gate inside too, checked against the reference in test_long_chunks_match_dequantize_then_matmul."""
     gen = np.random.default_rng(70)
     for n in (48, 24):  # halves of 3 groups (gated in the kernel), of 1.5 groups (silu_mul after)
         k = 96
@@ -336,8 +337,35 @@ def test_gated_products_are_silu_mul_of_the_product(kernels, qtype: GGMLQuantiza
             product = kernels.quant_product(x, weight.blocks, weight.kernel_type, True)
             gated = kernels.quant_product(x, weight.blocks, weight.kernel_type, True, gated=True)
             torch.testing.assert_close(gated, kernels.silu_mul(product), rtol=0, atol=0)
-            in_kernel = weight.row_group > 1 and n % 16 == 0 and rows <= most
+            if rows > most:
+                continue
+            in_kernel = weight.row_group > 1 and n % 16 == 0
             x16 = x.bfloat16()
             gated = kernels.quant_product(x16, weight.blocks, weight.kernel_type, True, gated=True)
             product = kernels.quant_product(x16.float() if in_kernel else x16, weight.blocks, weight.kernel_type, True)
             torch.testing.assert_close(gated, kernels.silu_mul(product).bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
+def test_long_chunks_match_dequantize_then_matmul(kernels, fma_products, qtype: GGMLQuantizationType) -> None:
+    """bf16 rows at and past 512 (a long prefill chunk): on AVX512-BF16 without AMX with FMA products on, 512
+    rows take the packed-x panels (gated inside them) and more W dequantized whole into bf16 for the dense
+    engine's product (quant_linear.cpp); elsewhere the panels of the other forms. One reference for all,
+    gated or not."""
+    gen = np.random.default_rng(80)
+    n, k = 64, 256
+    ggml = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k))
+    weight = ggml.interleaved()
+    for rows in (512, 513, 700):
+        x = torch.from_numpy(gen.standard_normal((rows, k)).astype(np.float32)).bfloat16()
+        w = multiplied_weights(ggml.dequantize(), torch.bfloat16)
+        ref = x.double() @ w.double().T
+        y = kernels.quant_linear(x, weight.blocks, weight.kernel_type)
+        assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+        assert within(y, ref, float_slack(w, x, ref, torch.bfloat16)), f"{rows} rows"
+        gated = kernels.quant_linear(x, weight.blocks, weight.kernel_type, gated=True).double()
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+        expected = gate * torch.sigmoid(gate) * up
+        slack = float_slack(w, x, ref, torch.bfloat16)
+        bound = (slack[:, : n // 2] * up.abs() + slack[:, n // 2 :] * gate.abs()) * 2 + 2.0**-7 * expected.abs() + 1e-6
+        assert within(gated, expected, bound), f"{rows} rows, gated"

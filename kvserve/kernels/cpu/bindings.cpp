@@ -27,7 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemv", &quant_gemv, "x @ W.T, W in GGUF blocks or row groups read once; x quantized per 32 to int8",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("gated") = false);
   m.def("int8_max_rows", &int8_max_rows, "the most rows quant_product gives quant_gemv for this block type");
-  m.def("quant_linear", &quant_linear, "x @ W.T for any rows, W in GGUF blocks dequantized panel by panel");
+  m.def("quant_linear", &quant_linear, "x @ W.T for any rows, W in GGUF blocks dequantized panel by panel",
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("gated") = false);
   m.def("set_fma_products", &set_fma_products,
         "quant_linear: bf16 x on float32 FMAs on AVX-512 without AMX; returns the old value");
   m.def("quant_product", &quant_product, "x @ W.T as the model runs it: quant_gemv where it takes the rows",

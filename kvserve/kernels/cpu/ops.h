@@ -49,8 +49,8 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type, bool gated 
 int64_t int8_max_rows(int64_t type);
 // x [M, K] (float32 or bf16) @ W^T for any M: W dequantized panel by panel into a float32 tile, then
 // multiplied; y in x's dtype. bf16 x on a path with native bf16 products meets the panel dequantized
-// straight into bf16 (each value rounded to nearest even).
-at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type);
+// straight into bf16 (each value rounded to nearest even). `gated` as quant_gemv's.
+at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gated = false);
 // Whether quant_linear multiplies bf16 x on float32 FMAs on AVX-512 without AMX (off until set: the
 // process's probe, kvserve/model/linear.py, sets it with its choice); returns the previous setting.
 bool set_fma_products(bool enabled);

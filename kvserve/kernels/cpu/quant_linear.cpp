@@ -103,36 +103,72 @@ void pack_x_pairs(const uint16_t* x, int64_t rows, int64_t padded, int64_t k, ui
 // y [m, n] = x [m, k] @ W^T for bf16 x, W's rows from `blocks`: x packed as pack_tiles packs a weight
 // (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized rows (bf16
 // where the register block takes bf16 pairs, else float32), register blocks of tiles_fma::kRows panel
-// rows times 32 rows of x, stored transposed into y.
+// rows times 32 rows of x, stored transposed into y. Each 32 rows of x meet every register block of the
+// panel in turn, so they are read from L1 while the panel's rows stay in L2; the other order (each
+// register block over all of x) read x from L3 once per register block. `gated` (W = [gate; up], each
+// half whole row groups): the panel holds gate rows n0.. and their up rows, and y [m, n / 2] = silu(gate)
+// * up from the float32 results, as quant_gemv gates them.
+// Long prefill chunks (more than kLongChunkRows rows) on AVX512-BF16 without AMX: W dequantized whole into
+// bf16, then the product the dense bf16 engine runs on such chunks (oneDNN's: kvserve/model/linear.py
+// keeps long chunks there unless its probe finds the FMA tiles faster). The panels above read every 32
+// rows of x again for each panel, and lost to it by 5-15 % at 2,048 rows (benchmarks/RESULTS.md, "Q8_0
+// row groups"); the copy, one matrix at a time, costs a small part of the product (its weights are read
+// once more).
+constexpr int64_t kLongChunkRows = 512;
+
+#if defined(__AVX512BF16__)
 template <typename Block>
-at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k) {
+at::Tensor dequantized_bf16(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k) {
+  auto out = at::empty({n, k}, at::TensorOptions().dtype(at::kBFloat16));
+  uint16_t* dst = raw<c10::BFloat16>(out);
+  at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t n0 = panel * kPanelRows;
+      quant::dequantize_rows_into<Block>(w, row_bytes, n0, std::min(kPanelRows, n - n0), k, dst + n0 * k);
+    }
+  });
+  return out;
+}
+#endif
+
+template <typename Block>
+at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k,
+                                 bool gated) {
   using namespace tiles_fma;
-  const int64_t rows = x.size(0), padded = (rows + 31) / 32 * 32;
-  auto y = at::empty({rows, n}, x.options());
+  const int64_t rows = x.size(0), padded = (rows + 31) / 32 * 32, columns = gated ? n / 2 : n;
+  auto y = at::empty({rows, columns}, x.options());
   if (rows == 0) return y;
   const at::Tensor xc = x.contiguous(), packed = at::empty({padded, k}, x.options());
   pack_x_pairs(raw<c10::BFloat16>(xc), rows, padded, k, reinterpret_cast<uint32_t*>(raw<c10::BFloat16>(packed)));
   const uint16_t* xs = raw<c10::BFloat16>(packed);
   uint16_t* ys = raw<c10::BFloat16>(y);
-  const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
+  const int64_t panels = (columns + kPanelRows - 1) / kPanelRows;
   at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
     using Tile = std::conditional_t<kBf16Pairs, uint16_t, float>;
-    Tile* tile = thread_scratch<Tile>(kPanelRows * k);
+    const FlushDenormals ftz;
+    Tile* tile = thread_scratch<Tile>(2 * kPanelRows * k);  // gated: the panel's gate rows, then its up rows
     for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
+      const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, columns - n0);
       quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
-      for (int64_t r0 = 0; r0 < w_rows; r0 += kRows) {
-        with_rows(static_cast<int>(std::min<int64_t>(kRows, w_rows - r0)), [&](auto block_rows) {
-          constexpr int R = decltype(block_rows)::value;
-          for (int64_t pair = 0; pair < padded / 32; ++pair) {
+      if (gated) quant::dequantize_rows_into<Block>(w, row_bytes, columns + n0, w_rows, k, tile + w_rows * k);
+      for (int64_t pair = 0; pair < padded / 32; ++pair) {
+        const int64_t valid = std::min<int64_t>(2 * kBlockCols, rows - pair * 2 * kBlockCols);
+        for (int64_t r0 = 0; r0 < w_rows; r0 += kRows) {
+          with_rows(static_cast<int>(std::min<int64_t>(kRows, w_rows - r0)), [&](auto block_rows) {
+            constexpr int R = decltype(block_rows)::value;
             alignas(64) float c[R][2 * kBlockCols];
             accumulate<R>(tile + r0 * k, k, xs, pair, c);
-            const int64_t valid = std::min<int64_t>(2 * kBlockCols, rows - pair * 2 * kBlockCols);
+            if (gated) {
+              alignas(64) float up[R][2 * kBlockCols];
+              accumulate<R>(tile + (w_rows + r0) * k, k, xs, pair, up);
+              for (int r = 0; r < R; ++r)
+                for (int64_t j = 0; j < valid; ++j) c[r][j] = c[r][j] / (1.f + fast_exp(0.f - c[r][j])) * up[r][j];
+            }
             for (int64_t j = 0; j < valid; ++j)
               for (int r = 0; r < R; ++r)
-                ys[(pair * 2 * kBlockCols + j) * n + n0 + r0 + r] = from_float<uint16_t>(c[r][j]);
-          }
-        });
+                ys[(pair * 2 * kBlockCols + j) * columns + n0 + r0 + r] = from_float<uint16_t>(c[r][j]);
+          });
+        }
       }
     }
   });
@@ -144,38 +180,50 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
 
 bool set_fma_products(bool enabled) { return fma_products.exchange(enabled); }
 
-at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gated) {
   RECORD_FUNCTION("kvserve::quant_linear", {});  // named in torch profiler traces
   return quant::visit_kernel_type(type, [&](auto block) {
     using Block = decltype(block);
-    const int64_t k = quant::columns_of<Block>(blocks), rows = x.size(0);
-    const int64_t n = blocks.size(0) * quant::rows_per_stored_row<Block>();
+    constexpr int64_t kStoredRows = quant::rows_per_stored_row<Block>();
+    const int64_t k = quant::columns_of<Block>(blocks), rows = x.size(0), n = blocks.size(0) * kStoredRows;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+    TORCH_CHECK(!gated || n % 2 == 0, "a gated W = [gate; up] has an even number of rows, got ", n);
     const uint8_t* w = blocks.data_ptr<uint8_t>();
     const int64_t row_bytes = blocks.size(1);
 #if defined(__AVX512F__)
-    if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && fma_products.load())
-      return packed_x_times_panels<Block>(x, w, row_bytes, n, k);
+    if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && fma_products.load()) {
+#if defined(__AVX512BF16__)
+      if (rows > kLongChunkRows) {
+        const at::Tensor y = at::linear(x, dequantized_bf16<Block>(w, row_bytes, n, k));
+        return gated ? silu_mul(y) : y;
+      }
 #endif
+      const bool fused = gated && (n / 2) % kStoredRows == 0;  // each half whole row groups
+      const at::Tensor y = packed_x_times_panels<Block>(x, w, row_bytes, n, k, fused);
+      return gated && !fused ? silu_mul(y) : y;
+    }
+#endif
+    // Every other form returns the product; silu_mul follows where gated.
+    const auto gate = [gated](const at::Tensor& y) { return gated ? silu_mul(y) : y; };
     if constexpr (bf16_panel::kAvailable) {
       if (x.scalar_type() == at::kBFloat16) {
         // Native bf16 products: the weights meet x rounded to bf16, as the dense bf16 engine's do.
         const at::Tensor xc = x.contiguous();
         auto y = at::empty({rows, n}, x.options());
-        if (rows == 0) return y;
+        if (rows == 0) return gate(y);
         bf16_panel::linear(
             raw<c10::BFloat16>(xc), rows, k, n,
             [=](int64_t n0, int64_t w_rows, uint16_t* panel) {
               quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, panel);
             },
             raw<c10::BFloat16>(y));
-        return y;
+        return gate(y);
       }
     }
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     auto y = at::empty({rows, n}, x.options());
-    if (rows == 0) return y;
+    if (rows == 0) return gate(y);
     const float* xs = xf.data_ptr<float>();
     const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
     KVSERVE_DISPATCH(x.scalar_type(), [&] {
@@ -193,7 +241,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type) {
         }
       });
     });
-    return y;
+    return gate(y);
   });
 }
 
@@ -215,8 +263,7 @@ at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool dec
   // Where quant_gemv does not build (no AVX2), no weights stay in blocks: quantized_linear.py probes it.
   const int64_t rows = x.size(0), most = decode_step ? int8_max_rows(type) : kGemvMaxRows;
   if (rows >= 1 && rows <= most) return quant_gemv(x, blocks, type, gated);
-  const at::Tensor y = quant_linear(x, blocks, type);
-  return gated ? silu_mul(y) : y;
+  return quant_linear(x, blocks, type, gated);
 }
 
 }  // namespace kvserve
