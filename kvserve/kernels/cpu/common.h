@@ -205,4 +205,11 @@ inline V fast_exp(V x) {
   return y * lanes_pow2(n);
 }
 
+// silu(gate) * up = gate / (1 + exp(-gate)) * up, lane by lane: the MLP's gating, as silu_mul (layer_ops.cpp)
+// and the gated epilogues of the product kernels compute it, the same operations at every width.
+template <typename V>
+inline V silu_times(V gate, V up) {
+  return gate / (splat<V>(1.f) + fast_exp(splat<V>(0.f) - gate)) * up;
+}
+
 }  // namespace kvserve

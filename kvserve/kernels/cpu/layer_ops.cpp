@@ -108,7 +108,7 @@ void silu_mul_row(const T* __restrict gate, const T* __restrict up, T* __restric
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float x = to_float(gate[i]);
-    out[i] = from_float<T>(x / (1.f + fast_exp(-x)) * to_float(up[i]));
+    out[i] = from_float<T>(silu_times(x, to_float(up[i])));
   }
 }
 

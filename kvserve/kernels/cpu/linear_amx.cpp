@@ -80,9 +80,7 @@ void block_product(const uint16_t* a0, const uint16_t* packed, int64_t k_steps, 
   for (int64_t r = 0; r < valid_rows; ++r) {
     const __m512 left = _mm512_load_ps(&c[r][0]), right = _mm512_load_ps(&c[r][kCols]);
     if (gated) {  // left: 16 gate columns, right: their up columns
-      const __m512 one = _mm512_set1_ps(1.f);
-      const __m512 silu = _mm512_div_ps(left, _mm512_add_ps(one, fast_exp(_mm512_sub_ps(_mm512_setzero_ps(), left))));
-      store(y + (m0 + r) * (n / 2) + pair * kCols, _mm512_mul_ps(silu, right));
+      store(y + (m0 + r) * (n / 2) + pair * kCols, silu_times(left, right));
     } else {
       store(y + (m0 + r) * n + pair * 2 * kCols, left);
       store(y + (m0 + r) * n + pair * 2 * kCols + kCols, right);

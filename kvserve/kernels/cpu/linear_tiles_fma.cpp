@@ -35,8 +35,7 @@ void block_product(const X* x, const uint16_t* packed, int64_t k, int64_t m0, in
       for (int v = 0; v < kVectorsPerBlock; ++v) {
         const WideLanes gate = lanes_load(&c[r][v * kLanes], WideLanes{});
         const WideLanes up = lanes_load(&c[r][kBlockCols + v * kLanes], WideLanes{});
-        const WideLanes one = splat<WideLanes>(1.f);
-        lanes_store(&gated_row[v * kLanes], gate / (one + fast_exp(splat<WideLanes>(0.f) - gate)) * up);
+        lanes_store(&gated_row[v * kLanes], silu_times(gate, up));
       }
       uint16_t* out = y + (m0 + r) * (n / 2) + pair * kBlockCols;
       for (int j = 0; j < kBlockCols; ++j) out[j] = from_float<uint16_t>(gated_row[j]);

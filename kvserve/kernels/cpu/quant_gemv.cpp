@@ -367,8 +367,7 @@ void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& 
         if (gate_groups > 0) {
           __m256 up[M];
           row_group_rows<Group, M>(w + (gate_groups + g) * group_bytes, x.from_row(m0), up);
-          for (int m = 0; m < M; ++m)
-            out[m] = out[m] / (splat<__m256>(1.f) + fast_exp(splat<__m256>(0.f) - out[m])) * up[m];
+          for (int m = 0; m < M; ++m) out[m] = silu_times(out[m], up[m]);
         }
         for (int m = 0; m < M; ++m) store8(y + (m0 + m) * columns + g * Group::kRows, out[m]);
       });

@@ -100,17 +100,9 @@ void pack_x_pairs(const uint16_t* x, int64_t rows, int64_t padded, int64_t k, ui
   });
 }
 
-// y [m, n] = x [m, k] @ W^T for bf16 x, W's rows from `blocks`: x packed as pack_tiles packs a weight
-// (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized rows (bf16
-// where the register block takes bf16 pairs, else float32), register blocks of tiles_fma::kRows panel
-// rows times 32 rows of x, stored transposed into y. Each 32 rows of x meet every register block of the
-// panel in turn, so they are read from L1 while the panel's rows stay in L2; the other order (each
-// register block over all of x) read x from L3 once per register block. `gated` (W = [gate; up], each
-// half whole row groups): the panel holds gate rows n0.. and their up rows, and y [m, n / 2] = silu(gate)
-// * up from the float32 results, as quant_gemv gates them.
 // Long prefill chunks (more than kLongChunkRows rows) on AVX512-BF16 without AMX: W dequantized whole into
 // bf16, then the product the dense bf16 engine runs on such chunks (oneDNN's: kvserve/model/linear.py
-// keeps long chunks there unless its probe finds the FMA tiles faster). The panels above read every 32
+// keeps long chunks there unless its probe finds the FMA tiles faster). The panels below read every 32
 // rows of x again for each panel, and lost to it by 5-15 % at 2,048 rows (benchmarks/RESULTS.md, "Q8_0
 // row groups"); the copy, one matrix at a time, costs a small part of the product (its weights are read
 // once more).
@@ -131,6 +123,14 @@ at::Tensor dequantized_bf16(const uint8_t* w, int64_t row_bytes, int64_t n, int6
 }
 #endif
 
+// y [m, n] = x [m, k] @ W^T for bf16 x, W's rows from `blocks`: x packed as pack_tiles packs a weight
+// (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized rows (bf16
+// where the register block takes bf16 pairs, else float32), register blocks of tiles_fma::kRows panel
+// rows times 32 rows of x, stored transposed into y. Each 32 rows of x meet every register block of the
+// panel in turn, so they are read from L1 while the panel's rows stay in L2; the other order (each
+// register block over all of x) read x from L3 once per register block. `gated` (W = [gate; up], each
+// half whole row groups): the panel holds gate rows n0.. and their up rows, and y [m, n / 2] = silu(gate)
+// * up from the float32 results, as quant_gemv gates them.
 template <typename Block>
 at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k,
                                  bool gated) {
@@ -162,7 +162,7 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
               alignas(64) float up[R][2 * kBlockCols];
               accumulate<R>(tile + (w_rows + r0) * k, k, xs, pair, up);
               for (int r = 0; r < R; ++r)
-                for (int64_t j = 0; j < valid; ++j) c[r][j] = c[r][j] / (1.f + fast_exp(0.f - c[r][j])) * up[r][j];
+                for (int64_t j = 0; j < valid; ++j) c[r][j] = silu_times(c[r][j], up[r][j]);
             }
             for (int64_t j = 0; j < valid; ++j)
               for (int r = 0; r < R; ++r)
