@@ -127,6 +127,16 @@ inline __m256 splat<__m256>(float v) {
 }
 inline __m256 lanes_load(const float* p, __m256) { return _mm256_loadu_ps(p); }
 inline void lanes_store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Into bf16 bits: each lane rounded as from_float<uint16_t> rounds one (nearest even, NaN kept quiet).
+inline void lanes_store(uint16_t* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
 inline __m256 lanes_fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256 lanes_min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
 inline __m256 lanes_max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }

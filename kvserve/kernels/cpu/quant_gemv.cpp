@@ -127,19 +127,6 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 constexpr bool kVnni = false;
 #endif
 
-// Eight results into y's dtype: float32, or bf16 rounded to nearest even with NaN kept quiet, as
-// from_float (common.h) rounds one.
-inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
-inline void store8(uint16_t* y, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), packed);
-}
-
 // Eight int32 sums of pairs of pairs of u8 x s8 products: sum over 32 bytes, spread over 8 lanes.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #ifdef KVSERVE_HAS_VNNI
@@ -292,8 +279,8 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
 // row m.
 template <typename Group, int M>
 inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
-  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
-  constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;  // else Q4_0: offset -8 d
+  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;    // offset m
+  constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;  // no offset; else Q4_0: -8 d
   const int64_t xblocks = x.k / kXBlock;
   const __m256i mask = _mm256_set1_epi8(0xF);
   __m256 acc[M], acc_offset[M];  // the integer products' terms and the offsets' (separate chains)
@@ -308,11 +295,7 @@ inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256
     for (int j = 0; j < Group::kQsVectors; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + Group::kQsOffset + 32 * j));
       if constexpr (kEight) {
-#ifdef KVSERVE_HAS_VNNI
-        q[j] = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128, unsigned
-#else
-        q[j] = v;
-#endif
+        q[j] = kVnni ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;  // VNNI: w + 128
       } else {
         q[j] = _mm256_and_si256(v, mask);
         q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -369,7 +352,7 @@ void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& 
           row_group_rows<Group, M>(w + (gate_groups + g) * group_bytes, x.from_row(m0), up);
           for (int m = 0; m < M; ++m) out[m] = silu_times(out[m], up[m]);
         }
-        for (int m = 0; m < M; ++m) store8(y + (m0 + m) * columns + g * Group::kRows, out[m]);
+        for (int m = 0; m < M; ++m) lanes_store(y + (m0 + m) * columns + g * Group::kRows, out[m]);
       });
   });
 }
@@ -388,7 +371,7 @@ at::Tensor quant_gemv(at::Tensor x, at::Tensor blocks, int64_t type, bool gated)
     TORCH_CHECK(rows >= 1, "quant_gemv takes one row or more, got ", rows);
     TORCH_CHECK(!gated || n % 2 == 0, "a gated W = [gate; up] has an even number of rows, got ", n);
     // Row groups gate in the kernel where each half is whole groups; elsewhere silu_mul follows.
-    const bool fused = kRows > 1 && gated && blocks.size(0) % 2 == 0;
+    const bool fused = kRows > 1 && gated && (n / 2) % kRows == 0;
     x = x.contiguous();
     auto y = at::empty({rows, fused ? n / 2 : n}, x.options());
     const uint8_t* w = blocks.data_ptr<uint8_t>();

@@ -191,21 +191,18 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
     TORCH_CHECK(!gated || n % 2 == 0, "a gated W = [gate; up] has an even number of rows, got ", n);
     const uint8_t* w = blocks.data_ptr<uint8_t>();
     const int64_t row_bytes = blocks.size(1);
+    // Where a form returns the product, silu_mul follows it if gated.
+    const auto gate = [gated](const at::Tensor& y) { return gated ? silu_mul(y) : y; };
 #if defined(__AVX512F__)
     if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && fma_products.load()) {
 #if defined(__AVX512BF16__)
-      if (rows > kLongChunkRows) {
-        const at::Tensor y = at::linear(x, dequantized_bf16<Block>(w, row_bytes, n, k));
-        return gated ? silu_mul(y) : y;
-      }
+      if (rows > kLongChunkRows) return gate(at::linear(x, dequantized_bf16<Block>(w, row_bytes, n, k)));
 #endif
       const bool fused = gated && (n / 2) % kStoredRows == 0;  // each half whole row groups
       const at::Tensor y = packed_x_times_panels<Block>(x, w, row_bytes, n, k, fused);
-      return gated && !fused ? silu_mul(y) : y;
+      return fused ? y : gate(y);
     }
 #endif
-    // Every other form returns the product; silu_mul follows where gated.
-    const auto gate = [gated](const at::Tensor& y) { return gated ? silu_mul(y) : y; };
     if constexpr (bf16_panel::kAvailable) {
       if (x.scalar_type() == at::kBFloat16) {
         // Native bf16 products: the weights meet x rounded to bf16, as the dense bf16 engine's do.
