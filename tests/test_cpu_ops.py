@@ -39,18 +39,44 @@ def test_layer_ops_pick_the_kernels_on_the_cpu(kernels) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm(kernels, dtype: torch.dtype, with_delta: bool) -> None:
+@pytest.mark.parametrize("delta_kind", ["none", "plain", "normed"])
+def test_add_rms_norm(kernels, dtype: torch.dtype, delta_kind: str) -> None:
     gen = torch.Generator().manual_seed(1)
     residual = torch.randn(37, 576, generator=gen) * 3
-    delta = (torch.randn(37, 576, generator=gen) * 5).to(dtype) if with_delta else None
+    delta = (torch.randn(37, 576, generator=gen) * 5).to(dtype) if delta_kind != "none" else None
     weight = torch.rand(576, generator=gen) + 0.5
+    delta_weight = torch.rand(576, generator=gen) + 0.5 if delta_kind == "normed" else None
     ours, theirs = residual.clone(), residual.clone()
-    out = kernels.add_rms_norm(ours, delta, weight, 1e-5, dtype)
-    ref = TorchLayerOps.add_rms_norm(theirs, delta, weight, 1e-5, dtype)
+    out = kernels.add_rms_norm(ours, delta, weight, 1e-5, dtype, delta_weight)
+    ref = TorchLayerOps.add_rms_norm(theirs, delta, weight, 1e-5, dtype, delta_weight)
     assert out.dtype == dtype and out.shape == ref.shape
-    assert torch.equal(ours, theirs)  # the residual update is one float32 add either way
+    if delta_weight is None:
+        assert torch.equal(ours, theirs)  # the residual update is one float32 add either way
+    else:  # the delta's norm: float32 summation order
+        assert close(ours, theirs, torch.float32) and not torch.equal(ours, residual)
     assert close(out, ref, dtype)
+
+
+def test_add_rms_norm_refuses_a_delta_weight_without_a_delta(kernels) -> None:
+    with pytest.raises(RuntimeError, match="delta_weight needs a delta"):
+        kernels.add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), 1e-5, torch.float32, torch.ones(64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm(kernels, dtype: torch.dtype) -> None:
+    """Gemma 3 270M's heads (4 q, 1 kv, D 256): q and k heads normalized, v untouched."""
+    hq, hkv, d = 4, 1, 256
+    gen = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(9, (hq + 2 * hkv) * d, generator=gen) * 4).to(dtype)
+    q_weight, k_weight = torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5
+    ours, theirs = qkv.clone(), qkv.clone()
+    kernels.head_rms_norm(ours, hq, hkv, q_weight, k_weight, 1e-6)
+    TorchLayerOps.head_rms_norm(theirs, hq, hkv, q_weight, k_weight, 1e-6)
+    assert close(ours, theirs, dtype)
+    assert torch.equal(ours[:, (hq + hkv) * d :], qkv[:, (hq + hkv) * d :])
+    heads = ours[:, : (hq + hkv) * d].float().view(9, hq + hkv, d)
+    rms = (heads / torch.cat([q_weight.expand(hq, d), k_weight.expand(hkv, d)])).pow(2).mean(-1).sqrt()
+    assert bool(((rms - 1).abs() < 0.02).all())  # each head now of unit RMS before its weight
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,6 +98,22 @@ def test_rope_write_kv(kernels, dtype: torch.dtype) -> None:
     written = caches[0].view(-1, hkv * d)[slots]
     assert torch.equal(written, ours[:, hq * d : (hq + hkv) * d])  # k rotated, as in qkv
     assert int((caches[0] != 0).flatten(1).any(1).sum()) <= 8  # nothing outside the slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_over_the_whole_range(kernels, dtype: torch.dtype) -> None:
+    """Against gelu's tanh form in float64 as g * sigmoid(2u), which is 0.5 g (1 + tanh(u)) without its
+    cancellation for negative g (torch's float32 gelu loses every digit there)."""
+    gate = torch.linspace(-120, 120, 24000).view(3, -1)
+    gate_up = torch.cat([gate, torch.randn(gate.shape, generator=torch.Generator().manual_seed(3))], 1).to(dtype)
+    out = kernels.gelu_tanh_mul(gate_up)
+    g, up = gate_up.double().chunk(2, dim=-1)
+    ref = g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)) * up
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    # float32: u's own rounding (its cube) moves the result by up to ~1e-5 relative where g is near -10.
+    tol = 2e-5 if dtype == torch.float32 else 2**-7
+    assert bool(((out.double() - ref).abs() <= tol * ref.abs() + 1e-30).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.registry import GEMMA3_270M, bundled_gguf_path
@@ -34,10 +35,12 @@ PROMPTS = [
 NEW_TOKENS = 32
 MARGIN = 0.02
 MIN_TEACHER_FORCED_AGREEMENT = 0.995
-# The int8 activations' shift of a logit: under 0.1 on the AVX2 Zen 2; on the AMX Xeon (2026-12-03) one
-# position of "Photosynthesis ..." differs from HF where HF's margin is 0.109, before and after that day's
-# kernel changes alike.
-GEMV_MARGIN = 0.15
+# The int8 activations' shift of a top-1/top-2 margin: under 0.1 on the AVX2 Zen 2; on the AMX Xeon
+# (2026-12-03) one position of "Photosynthesis ..." differs from HF where HF's margin is 0.109. On Zen 4
+# (2026-12-05, Gemma's layer compiled) the last position of "import numpy ..." differs where HF's margin
+# is 0.230: given HF's own final hidden state there, the int8 LM head alone moves that margin by 0.13 and
+# some logit by 0.31, before the layers' int8 products add theirs.
+GEMV_MARGIN = 0.25
 # How many positions fall at such near-ties depends on the path each greedy run takes, which a change in the
 # order of the kernels' float32 sums alters: on Zen 4 (2026-12-05) the same weights gave 383 and 378 of 384
 # with Gemma's Q8_0 matrices in GGML's layout and in row groups, whose results agree to 1e-6 (benchmarks/
@@ -106,3 +109,23 @@ def test_weights_kept_in_blocks_follow_hf_one_request_at_a_time():
         assert bool((margin[~same] <= GEMV_MARGIN).all()), f"{text!r}: differs from HF at margins {margin[~same]}"
     print(f"teacher-forced agreement with HF, weights in blocks, batch 1: {agree / total:.4f}")
     assert agree / total >= MIN_GEMV_AGREEMENT
+
+
+def test_the_compiled_decode_step_gives_the_python_loops_tokens():
+    """bf16 over the blocks as served (`--quantization auto`): Gemma's whole layer (q|k in Q5_0 beside
+    v in Q8_0 as two products, head norms, norms after attention and MLP, GELU, windows and two RoPE
+    bases) as one compiled call per decode step gives the Python layer loop's tokens, one request alone
+    and four per step."""
+    llm = LLM(model=GEMMA3_270M, dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    assert llm.engine.model.compiled_decode is not None
+    prompts = [llm.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for compiled in (True, False):
+        llm.engine.runner.compiled_decode = compiled
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            alone = llm.generate(prompts[:1], params)[0].token_ids
+            together = [o.token_ids for o in llm.generate(prompts, params)]
+        runs[compiled] = (alone, together, any(e.key == "kvserve::decode_layers" for e in prof.key_averages()))
+    assert runs[True][2] and not runs[False][2]
+    assert runs[True][:2] == runs[False][:2]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from torch.profiler import ProfilerActivity, profile
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.quantized import QuantizedTensor, StackedQuantizedTensor
@@ -102,3 +103,23 @@ def test_decoding_follows_the_dequantized_engine(quantized_gguf, batched: bool):
     agreement = agree / (len(PROMPTS) * NEW_TOKENS)
     print(f"agreement of {'batched' if batched else 'batch-1'} decoding with the reference {agreement:.3f}")
     assert agreement >= MIN_GEMV_AGREEMENT
+
+
+def test_the_compiled_decode_step_multiplies_fused_parts_one_by_one(quantized_gguf):
+    """Decode steps as one compiled call (kernels/cpu/decode_layers.cpp) over the mixed fused parts, a
+    product per part, columns concatenated and gate|up gated after, as StackedQuantizedLinear runs them:
+    the Python layer loop's tokens, one row and three rows per step."""
+    llm = LLM(
+        model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization="auto", enable_prefix_caching=False
+    )
+    step = llm.engine.model.compiled_decode
+    assert step is not None and max(step.parts_per_projection) == 2
+    runs = {}
+    for compiled in (True, False):
+        llm.engine.runner.compiled_decode = compiled
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            alone = [llm.generate([prompt], GREEDY)[0].token_ids for prompt in PROMPTS]
+            batched = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        runs[compiled] = (alone, batched, any(e.key == "kvserve::decode_layers" for e in prof.key_averages()))
+    assert runs[True][2] and not runs[False][2]
+    assert runs[True][:2] == runs[False][:2]

@@ -19,7 +19,6 @@ import torch
 from kvserve.intmath import div_ceil
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
-from kvserve.model.compiled_decode import torch_path_reasons
 from kvserve.model.decode_cost import stored_bytes
 from kvserve.model.linear import BATCHED_PRODUCT_ENV, batched_product_kernel, long_chunks_on_fma
 from kvserve.model.registry import load_model, resolve
@@ -114,9 +113,6 @@ def process_memory_mib() -> tuple[float, float]:
 
 def compiled_decode_summary(engine: LLMEngine) -> str:
     """Whether steps of decode rows run as one compiled call, and if not, why."""
-    reasons = torch_path_reasons(engine.model.config)
-    if reasons:
-        return "no: " + "; ".join(reasons)
     if engine.model.compiled_decode is None:
         return f"no: no compiled step for {str(engine.dtype).removeprefix('torch.')} weights of this format here"
     if not engine.runner.compiled_decode:

@@ -1,16 +1,17 @@
 """The compiled decode step: every decoder layer of a step made only of decode rows as one C++ call
 (kernels/cpu/decode_layers.cpp), instead of LlamaModel.forward's Python loop over the layers.
 
-It runs the plain Llama layer (no bias, head norms, sandwich norms, other activations or per-layer RoPE
-bases: `torch_path_reasons`), with a sliding window per layer where the model has them. It needs every
-projection to be a bf16 KernelLinear, or every one a QuantizedLinear (any dtype). It takes each layer's
-tensors in the order a step runs them (a quantized one as its blocks, with the block types), and their
-packed tiles (linear_amx's, or linear_tiles_fma's without AMX) where every projection has them. It then
-takes up to AMX_MAX_ROWS rows (quant_linear takes any number; the one limit keeps the step's cost model),
-else the GEMV's few.
+It runs every family's layer as that loop does: the Llama layer, and where the model has them its q/k/v
+bias, q/k head norms, norms after attention and MLP, tanh-GELU gating, a RoPE table and a sliding window
+per layer. It needs every projection to be a bf16 KernelLinear, or every one quantized (QuantizedLinear,
+or StackedQuantizedLinear for a fused projection whose parts differ in block type; any dtype). It takes
+each layer's tensors in the order a step runs them (a quantized part as its blocks, with the block types),
+and their packed tiles (linear_amx's, or linear_tiles_fma's without AMX) where every projection has them.
+It then takes up to AMX_MAX_ROWS rows (quant_linear takes any number; the one limit keeps the step's cost
+model), else the GEMV's few.
 
 Invariant: the tensors it holds are the model's own (views, no copies), so it reads the same weights and
-gives the Python loop's tokens (tests/test_decode_layers.py).
+gives the Python loop's tokens (tests/test_decode_layers.py, tests/test_model_families.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.kernels.metadata import AttentionMetadata
-from kvserve.model.config import ModelConfig
-from kvserve.model.linear import AMX_MAX_ROWS, KernelLinear, LinearFn, gemv_kernels
+from kvserve.model.linear import AMX_MAX_ROWS, GatedAfterProduct, KernelLinear, LinearFn, gemv_kernels
 from kvserve.model.quantized import QuantizedTensor
-from kvserve.model.quantized_linear import QuantizedLinear, in_decode_step, quantized_kernels
+from kvserve.model.quantized_linear import QuantizedLinear, StackedQuantizedLinear, in_decode_step, quantized_kernels
 from kvserve.model.weights import LayerWeights, Weight
 
 if TYPE_CHECKING:
@@ -36,16 +36,25 @@ def projection_weights(layer: LayerWeights) -> tuple[Weight, ...]:
     return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
-def torch_path_reasons(config: ModelConfig) -> list[str]:
-    """Why the compiled decode step (the plain Llama layer) cannot run this model; empty where it can."""
-    reasons = [
-        "its q/k/v projections have a bias" if config.attention_bias else "",
-        "it normalizes q and k heads" if config.qk_norm else "",
-        "it has norms after attention and MLP" if config.sandwich_norms else "",
-        f"its MLP gates with {config.activation}" if config.activation != "silu" else "",
-        "its layers use different RoPE bases" if config.sliding_rope_theta is not None else "",
-    ]
-    return [r for r in reasons if r]
+# decode_layers' extras per layer, in its order (kernels/cpu/ops.h); LlamaModel.layer_extras' names.
+EXTRA_NAMES = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+
+
+def product_of(linear: LinearFn) -> LinearFn:
+    """The product decode_layers runs for a layer's linear: a gelu-gated up projection's own product
+    (decode_layers gates it after), any other linear itself."""
+    return linear.product if isinstance(linear, GatedAfterProduct) else linear
+
+
+def product_parts(linear: LinearFn, weight: Weight) -> list[torch.Tensor | QuantizedTensor]:
+    """What decode_layers multiplies for a projection: a quantized linear's block tensors, one per part,
+    or the dense `weight` (the model's own)."""
+    if isinstance(linear, QuantizedLinear):
+        return [linear.weight]
+    if isinstance(linear, StackedQuantizedLinear):
+        return [part.weight for part in linear.parts]
+    assert isinstance(weight, torch.Tensor), "a quantized weight is multiplied by a quantized linear"
+    return [weight]
 
 
 class CompiledDecodeStep:
@@ -54,25 +63,34 @@ class CompiledDecodeStep:
     ) -> None:
         self.kernels = kernels
         self.model = model
-        self.layer_tensors = [
-            (*(w.blocks if isinstance(w, QuantizedTensor) else w for w in projection_weights(layer)), *norms)
-            for layer, norms in zip(model.weights.layers, model.norms, strict=True)
-        ]
-        self.block_types = [
-            p.weight.kernel_type for layer in projections for p in layer if isinstance(p, QuantizedLinear)
-        ]
+        parts = [
+            product_parts(p, w) for layer, weights in zip(projections, model.weights.layers, strict=True)
+            for p, w in zip(layer, projection_weights(weights), strict=True)
+        ]  # fmt: skip
+        self.parts_per_projection = [len(ps) for ps in parts]
+        self.weights = [w.blocks if isinstance(w, QuantizedTensor) else w for ps in parts for w in ps]
+        self.norms = [norm for pair in model.norms for norm in pair]
+        self.block_types = [w.kernel_type for ps in parts for w in ps if isinstance(w, QuantizedTensor)]
         tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
         self.tiles = tiles if all(t is not None for layer in tiles for t in layer) else None
+        none, has_extras = torch.empty(0), any(model.layer_extras)  # decode_layers' "none": no elements
+        self.extras = [
+            [extras.get(name, none) for name in EXTRA_NAMES] if has_extras else [] for extras in model.layer_extras
+        ]
+        self.rope = [table for pair in model.layer_rope for table in pair]
         self.windows = [window or 0 for window in model.layer_windows]  # decode_layers' 0: no window
+        self.gelu_tanh = model.config.activation == "gelu_tanh"
         self.max_rows = AMX_MAX_ROWS if self.tiles is not None or all_quantized else kernels.GEMV_MAX_ROWS
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> CompiledDecodeStep | None:
-        """The step for `model` where its kernels built and it runs the plain Llama layer, else None."""
-        if model.device.type != "cpu" or torch_path_reasons(model.config):
+        """The step for `model` where its kernels built and every projection takes them, else None."""
+        if model.device.type != "cpu":
             return None
-        projections: list[list[LinearFn]] = [list(layer) for layer in model.linears]
-        all_quantized = all(isinstance(p, QuantizedLinear) for layer in projections for p in layer)
+        projections = [[product_of(p) for p in layer] for layer in model.linears]
+        all_quantized = all(
+            isinstance(p, QuantizedLinear | StackedQuantizedLinear) for layer in projections for p in layer
+        )
         if all_quantized:
             kernels = quantized_kernels()
         elif model.dtype == torch.bfloat16 and not model.quantized:
@@ -93,11 +111,14 @@ class CompiledDecodeStep:
         """LlamaModel.forward of the first `num_layers` layers over the embedded rows `h` (updated in place),
         every row a decode row: the final-normed hidden states."""
         model, cfg = self.model, self.model.config
+        projections = 4 * num_layers
+        parts = self.parts_per_projection[:projections]
         tiles = [] if self.tiles is None else self.tiles[:num_layers]
         return self.kernels.decode_layers(
-            h, [tensor for group in self.layer_tensors[:num_layers] for tensor in group],
-            [tensor for group in tiles for tensor in group], self.block_types[: 4 * num_layers],
-            model.final_norm, cfg.rms_norm_eps, positions, model.rope_cos, model.rope_sin, kv_cache, slot_mapping,
-            meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), model.scale,
-            cfg.num_heads, cfg.num_kv_heads, self.windows[:num_layers], in_decode_step(),
+            h, self.weights[: sum(parts)], parts, self.norms[: 2 * num_layers],
+            [tensor for group in tiles for tensor in group], self.block_types[: sum(parts)],
+            [tensor for group in self.extras[:num_layers] for tensor in group], model.final_norm,
+            cfg.rms_norm_eps, positions, self.rope[: 2 * num_layers], kv_cache, slot_mapping, meta.block_tables,
+            meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), model.scale, cfg.num_heads,
+            cfg.num_kv_heads, self.windows[:num_layers], self.gelu_tanh, in_decode_step(),
         )  # fmt: skip

@@ -1,8 +1,9 @@
-"""The elementwise steps of a decoder layer, as three fused operations.
+"""The elementwise steps of a decoder layer, as five fused operations.
 
 `TorchLayerOps` defines them with torch ops; it is the reference and the fallback. On the CPU the
 compiled kernels of kvserve/kernels/cpu (same names, same arguments, same results up to float32
-summation order, each result rounded once) replace them: a decode step's cost there was mostly the
+summation order and exp's polynomial, each result rounded once) replace them, in the Python layer loop
+and in the compiled decode step alike: a decode step's cost there was mostly the
 per-call overhead of ~25 small torch ops per layer, not their arithmetic.
 """
 
@@ -19,12 +20,32 @@ from kvserve.kernels import cpu
 class TorchLayerOps:
     @staticmethod
     def add_rms_norm(
-        residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, dtype: torch.dtype
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        dtype: torch.dtype,
+        delta_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """residual += delta (in place, float32); returns rms_norm(residual) * weight in `dtype`."""
-        if delta is not None:
+        """residual += delta (in place, float32; with `delta_weight`, rms_norm(delta) * delta_weight: the
+        norms after attention and MLP, Gemma 3's); returns rms_norm(residual) * weight in `dtype`."""
+        if delta_weight is not None:
+            assert delta is not None, "delta_weight needs a delta"
+            residual.add_(F.rms_norm(delta.float(), (delta.shape[-1],), delta_weight, eps))
+        elif delta is not None:
             residual.add_(delta)
         return F.rms_norm(residual, (residual.shape[-1],), weight, eps).to(dtype)
+
+    @staticmethod
+    def head_rms_norm(
+        qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+    ) -> None:
+        """In place on the q and k heads of qkv [T, (Hq + 2 Hkv) * D]: each head RMS-normalized over D in
+        float32, q heads times q_weight, k heads times k_weight (float32 [D]); Qwen3's and Gemma 3's."""
+        t, dim = qkv.shape[0], q_weight.shape[0]
+        heads = qkv[:, : (num_heads + num_kv_heads) * dim].view(t, -1, dim)
+        for part, weight in ((heads[:, :num_heads], q_weight), (heads[:, num_heads:], k_weight)):
+            part.copy_(F.rms_norm(part.float(), (dim,), weight, eps))
 
     @staticmethod
     def rope_write_kv(
@@ -60,26 +81,11 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(x) * weight in float32 (weight float32), returned in x's dtype (HF's norms after
-    attention and MLP)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
-
-
-def head_rms_norm(
-    heads: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
-) -> None:
-    """In place on heads [T, Hq + Hkv, D] (q heads first): each head RMS-normalized over D in float32,
-    q heads times q_weight, k heads times k_weight (float32 [D])."""
-    for part, weight in ((heads[:, :num_q_heads], q_weight), (heads[:, num_q_heads:], k_weight)):
-        part.copy_(F.rms_norm(part.float(), (part.shape[-1],), weight, eps))
-
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, tanh approximation) * up for gate_up [T, 2I] (gate first): Gemma's gated MLP."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up for gate_up [T, 2I] (gate first): Gemma's gated MLP."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 def layer_ops_for(device: torch.device) -> Any:

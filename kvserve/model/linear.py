@@ -180,6 +180,19 @@ def make_gated_up(weight: torch.Tensor | Quantized, silu_mul: LinearFn) -> Linea
     return _with_few_row_kernels(weight, _in_compute_dtype(many_rows, compute, weight.dtype), silu_mul)
 
 
+@dataclass(frozen=True)
+class GatedAfterProduct:
+    """act(gate) * up where the product kernels do not gate with act (they gate with silu only): `gating`
+    (gelu_tanh_mul for Gemma) on the [T, 2I] result of `product` (W = [gate; up]). The compiled decode
+    step takes `product` and gates its result the same way (decode_layers' gelu_tanh)."""
+
+    product: LinearFn
+    gating: LinearFn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gating(self.product(x))
+
+
 # Where the CPU has no AMX: which kernel multiplies bf16 batches of 3 to AMX_MAX_ROWS rows. "auto" (the
 # default) probes both on this CPU; "fma" and "onednn" force one (tests and benchmarks of each path).
 BATCHED_PRODUCT_ENV = "KVSERVE_BATCHED_PRODUCT"

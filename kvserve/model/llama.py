@@ -9,22 +9,21 @@ sequence's cached prefix and its new tokens through one interface (see kernels/m
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
 
 from kvserve.kernels.metadata import AttentionFn, AttentionMetadata
-from kvserve.model.compiled_decode import CompiledDecodeStep, projection_weights, torch_path_reasons
+from kvserve.model.compiled_decode import CompiledDecodeStep, projection_weights
 from kvserve.model.config import FULL, ModelConfig
 from kvserve.model.huge_pages import move_into_one_buffer
-from kvserve.model.layer_ops import gelu_tanh_mul, head_rms_norm, layer_ops_for, rms_norm
+from kvserve.model.layer_ops import layer_ops_for
 from kvserve.model.linear import (
     AMX_MAX_ROWS,
     AMX_ROW_BLOCK,
+    GatedAfterProduct,
     KernelLinear,
     LinearFn,
-    gemv_kernels,
     make_gated_up,
     make_linear,
 )
@@ -33,8 +32,6 @@ from kvserve.model.quantized import block_parts
 from kvserve.model.quantized_linear import make_embedding
 from kvserve.model.rope import rope_tables
 from kvserve.model.weights import LayerWeights, ModelWeights
-
-logger = logging.getLogger(__name__)
 
 
 class LayerLinears(NamedTuple):
@@ -87,9 +84,6 @@ class LlamaModel:
         self.scale = config.softmax_scale
         # One C++ call for a step of decode rows where the kernels run this model (compiled_decode.py).
         self.compiled_decode = CompiledDecodeStep.for_model(self)
-        reasons = torch_path_reasons(config)
-        if reasons and dtype == torch.bfloat16 and device.type == "cpu" and gemv_kernels() is not None:
-            logger.warning("%s decode steps run on torch ops because %s", config.family, "; ".join(reasons))
         # Where every product, the LM head's too, runs on linear_amx, a step of 3 to AMX_MAX_ROWS rows pays
         # for its rows in whole blocks of AMX_ROW_BLOCK (the scheduler's row_block).
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
@@ -104,8 +98,7 @@ class LlamaModel:
     def _gated_up(self, layer: LayerWeights) -> LinearFn:
         if self.config.activation == "silu":
             return make_gated_up(layer.gate_up_proj, self.ops.silu_mul)
-        gate_up = make_linear(layer.gate_up_proj)
-        return lambda x: gelu_tanh_mul(gate_up(x))
+        return GatedAfterProduct(make_linear(layer.gate_up_proj), self.ops.gelu_tanh_mul)
 
     def _extras(self, layer: LayerWeights) -> dict[str, torch.Tensor]:
         """A layer's tensors beyond the Llama layer's (biases and norms in float32, like the others)."""
@@ -158,8 +151,7 @@ class LlamaModel:
             if "qkv_bias" in extras:
                 qkv.add_(extras["qkv_bias"])
             if "q_norm" in extras:
-                heads = qkv[:, : self.q_size + cfg.num_kv_heads * cfg.head_dim].view(t, -1, cfg.head_dim)
-                head_rms_norm(heads, cfg.num_heads, extras["q_norm"], extras["k_norm"], eps)
+                ops.head_rms_norm(qkv, cfg.num_heads, cfg.num_kv_heads, extras["q_norm"], extras["k_norm"], eps)
             k_cache, v_cache = k_caches[index], v_caches[index]
             cos, sin = self.layer_rope[index]
             ops.rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, cfg.num_heads, cfg.num_kv_heads)
@@ -170,14 +162,10 @@ class LlamaModel:
             else:
                 o = attention(q, k_cache, v_cache, meta, self.scale, window=window)
             o = linear.o_proj(o.reshape(t, self.q_size))
-            if "post_attn_norm" in extras:
-                o = rms_norm(o, extras["post_attn_norm"], eps)
-            x = ops.add_rms_norm(h, o, mlp_norm, eps, self.dtype)
+            x = ops.add_rms_norm(h, o, mlp_norm, eps, self.dtype, extras.get("post_attn_norm"))
             next_norm = layers[index + 1][1][0] if index + 1 < len(layers) else self.final_norm
             mlp = linear.down_proj(linear.gated_up(x))
-            if "post_mlp_norm" in extras:
-                mlp = rms_norm(mlp, extras["post_mlp_norm"], eps)
-            x = ops.add_rms_norm(h, mlp, next_norm, eps, self.dtype)
+            x = ops.add_rms_norm(h, mlp, next_norm, eps, self.dtype, extras.get("post_mlp_norm"))
         return x
 
     @torch.inference_mode()

@@ -4,9 +4,14 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace kvserve;
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; rms_norm(residual) * weight in out_dtype");
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual += delta (rms_norm(delta) * delta_weight where given); rms_norm(residual) * weight in out_dtype",
+        py::arg("residual"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("out_dtype"),
+        py::arg("delta_weight") = py::none());
+  m.def("head_rms_norm", &head_rms_norm, "each q and k head of a fused qkv rms-normalized in place");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q,k of a fused qkv in place; k,v written to cache slots");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu(gate, tanh approximation) * up");
   m.def("argmax_rows", &argmax_rows, "first maximal index of each row (NaN counts as the maximum)");
   m.def("decode_attention", &decode_attention, "online-softmax attention over the paged cache, few-token rows");
   m.def("set_amx_attention", &set_amx_attention,

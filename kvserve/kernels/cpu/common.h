@@ -222,4 +222,13 @@ inline V silu_times(V gate, V up) {
   return gate / (splat<V>(1.f) + fast_exp(splat<V>(0.f) - gate)) * up;
 }
 
+// gelu(gate) * up with gelu's tanh approximation, 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)) for
+// u = sqrt(2 / pi) (g + 0.044715 g^3): Gemma's gating (gelu_tanh_mul, layer_ops.cpp), on fast_exp as
+// silu_times is.
+template <typename V>
+inline V gelu_tanh_times(V gate, V up) {
+  const V minus_two_u = splat<V>(-2.f * 0.7978845608f) * (gate + splat<V>(0.044715f) * gate * gate * gate);
+  return gate / (splat<V>(1.f) + fast_exp(minus_two_u)) * up;
+}
+
 }  // namespace kvserve

@@ -5,7 +5,9 @@
 // benchmarks/RESULTS.md, "Figures behind the code's rules"). This is the same loop,
 // calling the same kernels in the same order (so its result is bit-identical), from C++. It runs
 // only where every linear is a bf16 KernelLinear (kvserve/model/linear.py) or every linear a
-// QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel: bf16 up
+// QuantizedLinear (quantized_linear.py), and every sequence takes the decode attention kernel; the layer's
+// extras (q/k/v bias, head norms, norms after attention and MLP, gelu gating, a RoPE table per layer)
+// where the model has them, as the Python loop applies them: bf16 up
 // to kGemvMaxRows rows on the GEMV, more (batched decode, up to linear.py's AMX_MAX_ROWS, which the
 // caller checks) on the packed tiles (linear_amx, or linear_tiles_fma without AMX); blocks on
 // quant_product, as QuantizedLinear does in a decode step (kvserve/model/quantized_linear.py).
@@ -32,45 +34,78 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 
 }  // namespace
 
-at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
-                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
-                         at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
+at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> weights, std::vector<int64_t> parts,
+                         std::vector<at::Tensor> norms, std::vector<at::Tensor> tiles, std::vector<int64_t> block_types,
+                         std::vector<at::Tensor> extras, at::Tensor final_norm, double eps, at::Tensor positions,
+                         std::vector<at::Tensor> rope, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
                          at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv, std::vector<int64_t> windows, bool decode_step) {
+                         int64_t hkv, std::vector<int64_t> windows, bool gelu_tanh, bool decode_step) {
   RECORD_FUNCTION("kvserve::decode_layers", {});  // named in torch profiler traces
-  TORCH_CHECK(!layers.empty() && layers.size() % kTensorsPerLayer == 0, "layers must hold ", kTensorsPerLayer,
-              " tensors per layer");
+  TORCH_CHECK(!parts.empty() && parts.size() % kProjectionsPerLayer == 0, "parts must hold ", kProjectionsPerLayer,
+              " counts per layer");
+  const int64_t num_layers = static_cast<int64_t>(parts.size()) / kProjectionsPerLayer;
+  std::vector<int64_t> first_part(parts.size());  // each projection's first index into weights
+  int64_t num_parts = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    TORCH_CHECK(parts[p] >= 1, "every projection has a part");
+    first_part[p] = num_parts;
+    num_parts += parts[p];
+  }
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) >= num_parts, "weights must hold every projection's parts");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) >= 2 * num_layers, "norms must hold two per layer");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be [layers, 2, blocks, block, Hkv, D]");
-  const int64_t num_layers = static_cast<int64_t>(layers.size()) / kTensorsPerLayer;
-  TORCH_CHECK(tiles.empty() || static_cast<int64_t>(tiles.size()) >= num_layers * kTilesPerLayer,
-              "tiles must be empty or hold ", kTilesPerLayer, " per layer");
-  TORCH_CHECK(block_types.empty() || static_cast<int64_t>(block_types.size()) >= num_layers * kTilesPerLayer,
-              "block_types must be empty or hold one per projection");
+  TORCH_CHECK(tiles.empty() || (static_cast<int64_t>(tiles.size()) >= num_layers * kProjectionsPerLayer &&
+                                num_parts == num_layers * kProjectionsPerLayer),
+              "tiles must be empty or hold one per projection, each of one part");
+  TORCH_CHECK(block_types.empty() || static_cast<int64_t>(block_types.size()) >= num_parts,
+              "block_types must be empty or hold one per part");
+  TORCH_CHECK(extras.empty() || static_cast<int64_t>(extras.size()) >= num_layers * kExtrasPerLayer,
+              "extras must be empty or hold ", kExtrasPerLayer, " per layer");
+  TORCH_CHECK(static_cast<int64_t>(rope.size()) >= 2 * num_layers, "rope must hold cos and sin tables per layer");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) >= num_layers, "windows must hold one per layer (0: none)");
-  const int64_t t = h.size(0), dim = cos.size(1), q_size = hq * dim;
+  const int64_t t = h.size(0), dim = rope[0].size(1), q_size = hq * dim;
   const auto dtype = kv_cache.scalar_type();
-  // Per layer: qkv_proj, o_proj, gate_up_proj, down_proj weights, then attn_norm, mlp_norm (float32).
-  auto weight = [&](int64_t layer, int64_t which) -> const at::Tensor& {
-    return layers[layer * kTensorsPerLayer + which];
+  // Extra `which` (ops.h's order) of a layer where the model has it.
+  auto extra = [&](int64_t layer, int64_t which) -> c10::optional<at::Tensor> {
+    if (extras.empty() || extras[layer * kExtrasPerLayer + which].numel() == 0) return c10::nullopt;
+    return extras[layer * kExtrasPerLayer + which];
   };
-  // Product `which` (0-3, the order of `layers`) of a layer, on its tiles where they were given.
+  // Product `which` (0-3: qkv, o, gate_up, down) of a layer: each part's product, on the projection's tiles
+  // where they were given, columns concatenated. gate_up is gated inside a lone part's product where the
+  // model gates with silu (the product kernels gate with silu only), else after the products.
   auto product = [&](const at::Tensor& x, int64_t layer, int64_t which) {
-    const at::Tensor* packed = tiles.empty() ? nullptr : &tiles[layer * kTilesPerLayer + which];
-    const int64_t block_type = block_types.empty() ? -1 : block_types[layer * kTilesPerLayer + which];
-    return project(x, weight(layer, which), packed, block_type, which == 2, decode_step);
+    const int64_t projection = layer * kProjectionsPerLayer + which, first = first_part[projection];
+    const bool gate_up = which == 2, gated_in_product = gate_up && !gelu_tanh && parts[projection] == 1;
+    auto part_product = [&](int64_t part, bool gated) {
+      const at::Tensor* packed = tiles.empty() ? nullptr : &tiles[projection];
+      const int64_t block_type = block_types.empty() ? -1 : block_types[part];
+      return project(x, weights[part], packed, block_type, gated, decode_step);
+    };
+    at::Tensor y;
+    if (parts[projection] == 1) {
+      y = part_product(first, gated_in_product);
+    } else {
+      std::vector<at::Tensor> columns;
+      for (int64_t part = first; part < first + parts[projection]; ++part) columns.push_back(part_product(part, false));
+      y = at::cat(columns, 1);
+    }
+    if (!gate_up || gated_in_product) return y;
+    return gelu_tanh ? gelu_tanh_mul(y) : silu_mul(y);
   };
-  at::Tensor x = add_rms_norm(h, c10::nullopt, weight(0, 4), eps, dtype);
+  at::Tensor x = add_rms_norm(h, c10::nullopt, norms[0], eps, dtype);
   for (int64_t i = 0; i < num_layers; ++i) {
     at::Tensor qkv = product(x, i, 0);
+    if (const auto bias = extra(i, kQkvBias)) qkv.add_(*bias);
+    if (const auto q_norm = extra(i, kQNorm)) head_rms_norm(qkv, hq, hkv, *q_norm, *extra(i, kKNorm), eps);
     const at::Tensor layer_cache = kv_cache.select(0, i);
     const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
-    rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, hq, hkv);
+    rope_write_kv(qkv, positions, rope[2 * i], rope[2 * i + 1], k_cache, v_cache, slots, hq, hkv);
     at::Tensor o = at::empty({t, hq, dim}, qkv.options());
     decode_attention(o, qkv.narrow(1, 0, q_size).view({t, hq, dim}), k_cache, v_cache, block_tables, seq_lens,
                      cu_seqlens_q, seq_ids, scale, windows[i]);
-    x = add_rms_norm(h, product(o.view({t, q_size}), i, 1), weight(i, 5), eps, dtype);
-    const at::Tensor& next_norm = i + 1 < num_layers ? weight(i + 1, 4) : final_norm;
-    x = add_rms_norm(h, product(product(x, i, 2), i, 3), next_norm, eps, dtype);
+    x = add_rms_norm(h, product(o.view({t, q_size}), i, 1), norms[2 * i + 1], eps, dtype, extra(i, kPostAttnNorm));
+    const at::Tensor& next_norm = i + 1 < num_layers ? norms[2 * (i + 1)] : final_norm;
+    x = add_rms_norm(h, product(product(x, i, 2), i, 3), next_norm, eps, dtype, extra(i, kPostMlpNorm));
   }
   return x;
 }

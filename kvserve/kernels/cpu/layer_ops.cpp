@@ -4,39 +4,57 @@
 
 namespace kvserve {
 
-// residual += delta (if given); out = rms_norm(residual) * weight, rounded to out's dtype.
-// residual: float32 [T, H], updated in place. delta, out: scalar_t [T, H]. weight: float32 [H].
+// Each of `rows` rows of `hidden` floats scaled by 1 / rms(row) and by weight: out = f(i, x[i] * inv_rms * weight[i]).
+template <typename Load, typename Store>
+inline void rms_norm_row(Load x, Store out, const float* weight, int64_t hidden, float eps) {
+  float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < hidden; ++i) sum_sq += x(i) * x(i);
+  const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) out(i, x(i) * inv_rms * weight[i]);
+}
+
+// residual += delta (if given; first rms-normalized and times delta_weight where that is given: the
+// norms after attention and MLP of Gemma 3), then out = rms_norm(residual) * weight, rounded to out's
+// dtype. residual: float32 [T, H], updated in place. delta, out: scalar_t [T, H]. weights: float32 [H].
 template <typename T>
-void add_rms_norm_kernel(float* residual, const T* delta, const float* weight, T* out, int64_t rows, int64_t hidden,
-                         float eps) {
+void add_rms_norm_kernel(float* residual, const T* delta, const float* delta_weight, const float* weight, T* out,
+                         int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 8, [=](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
     for (int64_t t = begin; t < end; ++t) {
       float* x = residual + t * hidden;
-      if (delta != nullptr) {
-        const T* d = delta + t * hidden;
+      const T* d = delta + t * hidden;
+      if (delta_weight != nullptr) {
+        rms_norm_row([=](int64_t i) { return to_float(d[i]); }, [=](int64_t i, float v) { x[i] += v; }, delta_weight,
+                     hidden, eps);
+      } else if (delta != nullptr) {
 #pragma omp simd
         for (int64_t i = 0; i < hidden; ++i) x[i] += to_float(d[i]);
       }
-      float sum_sq = 0.f;
-#pragma omp simd reduction(+ : sum_sq)
-      for (int64_t i = 0; i < hidden; ++i) sum_sq += x[i] * x[i];
-      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
       T* o = out + t * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(x[i] * inv_rms * weight[i]);
+      rms_norm_row([=](int64_t i) { return x[i]; }, [=](int64_t i, float v) { o[i] = from_float<T>(v); }, weight,
+                   hidden, eps);
     }
   });
 }
 
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight, double eps,
-                        at::ScalarType out_dtype) {
+                        at::ScalarType out_dtype, c10::optional<at::Tensor> delta_weight) {
   RECORD_FUNCTION("kvserve::add_rms_norm", {});  // named in torch profiler traces
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.dim() == 2,
               "residual must be a contiguous float32 [T, H] tensor");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "weight must be contiguous float32");
-  auto out = at::empty(residual.sizes(), residual.options().dtype(out_dtype));
   const int64_t rows = residual.size(0), hidden = residual.size(1);
+  auto float_vector = [&](const at::Tensor& w, const char* name) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == hidden, name,
+                " must be contiguous float32 [H]");
+    return w.data_ptr<float>();
+  };
+  const float* w = float_vector(weight, "weight");
+  TORCH_CHECK(delta.has_value() || !delta_weight.has_value(), "delta_weight needs a delta");
+  const float* dw = delta_weight.has_value() ? float_vector(*delta_weight, "delta_weight") : nullptr;
+  auto out = at::empty(residual.sizes(), residual.options().dtype(out_dtype));
   KVSERVE_DISPATCH(out_dtype, [&] {
     const raw_t<scalar_t>* d = nullptr;
     if (delta.has_value()) {
@@ -44,10 +62,38 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at
                   "delta must be contiguous, shaped like residual, in the output dtype");
       d = raw<scalar_t>(*delta);
     }
-    add_rms_norm_kernel(residual.data_ptr<float>(), d, weight.data_ptr<float>(), raw<scalar_t>(out), rows, hidden,
+    add_rms_norm_kernel(residual.data_ptr<float>(), d, dw, w, raw<scalar_t>(out), rows, hidden,
                         static_cast<float>(eps));
   });
   return out;
+}
+
+// Each q and k head of a fused qkv projection rms-normalized over its D values in float32, q heads times
+// q_weight, k heads times k_weight, in place (Qwen3's and Gemma 3's head norms). qkv: scalar_t
+// [T, (Hq + 2 Hkv) * D], contiguous; weights float32 [D].
+void head_rms_norm(at::Tensor qkv, int64_t hq, int64_t hkv, at::Tensor q_weight, at::Tensor k_weight, double eps) {
+  RECORD_FUNCTION("kvserve::head_rms_norm", {});  // named in torch profiler traces
+  const int64_t dim = q_weight.numel(), rows = qkv.size(0);
+  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * dim,
+              "qkv must be [T, (Hq+2Hkv)*D] for D the norm weights' length");
+  TORCH_CHECK(q_weight.scalar_type() == at::kFloat && k_weight.scalar_type() == at::kFloat &&
+                  q_weight.is_contiguous() && k_weight.is_contiguous() && k_weight.numel() == dim,
+              "q_weight and k_weight must be contiguous float32 [D]");
+  const float *qw = q_weight.data_ptr<float>(), *kw = k_weight.data_ptr<float>();
+  KVSERVE_DISPATCH(qkv.scalar_type(), [&] {
+    using T = raw_t<scalar_t>;
+    T* data = raw<scalar_t>(qkv);
+    at::parallel_for(0, rows, 4, [=](int64_t begin, int64_t end) {
+      const FlushDenormals ftz;
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < hq + hkv; ++h) {  // q heads then k heads: they sit back to back
+          T* x = data + (t * (hq + 2 * hkv) + h) * dim;
+          rms_norm_row([=](int64_t i) { return to_float(x[i]); }, [=](int64_t i, float v) { x[i] = from_float<T>(v); },
+                       h < hq ? qw : kw, dim, static_cast<float>(eps));
+        }
+      }
+    });
+  });
 }
 
 // Rotary embedding (rotate-half layout) on the q and k heads of a fused qkv projection, in place,
@@ -102,34 +148,41 @@ void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Ten
   });
 }
 
-// out = silu(gate) * up, gate_up: scalar_t [T, 2I] (gate then up), out: [T, I].
-template <typename T>
-void silu_mul_row(const T* __restrict gate, const T* __restrict up, T* __restrict out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = to_float(gate[i]);
-    out[i] = from_float<T>(silu_times(x, to_float(up[i])));
-  }
-}
-
-template <typename T>
-void silu_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+// out = act(gate) * up for act_times (silu_times, gelu_tanh_times), gate_up: scalar_t [T, 2I] (gate then
+// up), out: [T, I].
+template <typename T, typename ActTimes>
+void gated_kernel(const T* gate_up, T* out, int64_t rows, int64_t inter, ActTimes act_times) {
   at::parallel_for(0, rows, 4, [=](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
     for (int64_t t = begin; t < end; ++t) {
-      silu_mul_row(gate_up + t * 2 * inter, gate_up + t * 2 * inter + inter, out + t * inter, inter);
+      const T* __restrict gate = gate_up + t * 2 * inter;
+      const T* __restrict up = gate + inter;
+      T* __restrict o = out + t * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) o[i] = from_float<T>(act_times(to_float(gate[i]), to_float(up[i])));
     }
   });
 }
 
-at::Tensor silu_mul(at::Tensor gate_up) {
-  RECORD_FUNCTION("kvserve::silu_mul", {});  // named in torch profiler traces
+template <typename ActTimes>
+at::Tensor gated(const at::Tensor& gate_up, ActTimes act_times) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2I]");
   const int64_t inter = gate_up.size(1) / 2;
   auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
-  KVSERVE_DISPATCH(gate_up.scalar_type(),
-                   [&] { silu_mul_kernel(raw<scalar_t>(gate_up), raw<scalar_t>(out), gate_up.size(0), inter); });
+  KVSERVE_DISPATCH(gate_up.scalar_type(), [&] {
+    gated_kernel(raw<scalar_t>(gate_up), raw<scalar_t>(out), gate_up.size(0), inter, act_times);
+  });
   return out;
+}
+
+at::Tensor silu_mul(at::Tensor gate_up) {
+  RECORD_FUNCTION("kvserve::silu_mul", {});  // named in torch profiler traces
+  return gated(gate_up, [](float gate, float up) { return silu_times(gate, up); });
+}
+
+at::Tensor gelu_tanh_mul(at::Tensor gate_up) {
+  RECORD_FUNCTION("kvserve::gelu_tanh_mul", {});  // named in torch profiler traces
+  return gated(gate_up, [](float gate, float up) { return gelu_tanh_times(gate, up); });
 }
 
 }  // namespace kvserve

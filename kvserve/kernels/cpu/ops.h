@@ -8,10 +8,12 @@
 namespace kvserve {
 
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight, double eps,
-                        at::ScalarType out_dtype);
+                        at::ScalarType out_dtype, c10::optional<at::Tensor> delta_weight = c10::nullopt);
+void head_rms_norm(at::Tensor qkv, int64_t hq, int64_t hkv, at::Tensor q_weight, at::Tensor k_weight, double eps);
 void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                    at::Tensor v_cache, at::Tensor slots, int64_t hq, int64_t hkv);
 at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor gelu_tanh_mul(at::Tensor gate_up);
 at::Tensor argmax_rows(at::Tensor logits);
 void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                       at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t window);
@@ -61,17 +63,27 @@ bool set_fma_products(bool enabled);
 // engine's (benchmarks/RESULTS.md, "Row groups"), and the KV they write serves every later token; a
 // decode step's rows each make one token, as batch 1's always have ("int8 decode batches").
 at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step, bool gated = false);
-// decode_layers' `layers`: per layer qkv_proj, o_proj, gate_up_proj, down_proj, attn_norm, mlp_norm;
-// `tiles`: none, or per layer the four projections packed for linear_amx (gate_up interleaved);
-// `block_types`: none (every projection a bf16 matrix), or per layer the GGML block type of each of the
-// four projections (or its row-group type), whose tensors are then their blocks (quant_product multiplies them).
+// decode_layers' `weights`: every projection's parts, layer by layer in the order a step runs them (qkv_proj,
+// o_proj, gate_up_proj, down_proj); `parts`: per layer and projection its number of parts (more than one
+// only for a fused quantized projection whose parts differ in block type: a product per part, columns
+// concatenated); `norms`: per layer attn_norm, mlp_norm (float32).
+// `tiles`: none, or per projection its weight packed for linear_amx (gate_up interleaved where the
+// model gates with silu);
+// `block_types`: none (every projection a bf16 matrix), or per part its GGML block type (or its row-group
+// type), the part's tensor then its blocks (quant_product multiplies them).
+// `extras`: none, or per layer its qkv bias (model dtype), q and k head norms, norms after attention and
+// after the MLP (float32), in that order (the k* indices below), each an empty tensor where the model has
+// none. `rope`: per layer its cos and sin tables (float32 [max_len, D]). `gelu_tanh`: the MLP gates with
+// gelu (tanh approximation), not silu.
 // The activations are in the KV cache's dtype. `windows`: per layer its sliding window in keys, 0 for none.
 // `decode_step`: quant_product's, whether every row follows generated tokens (a short prefill runs here too).
-constexpr int64_t kTensorsPerLayer = 6, kTilesPerLayer = 4;
-at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> layers, std::vector<at::Tensor> tiles,
-                         std::vector<int64_t> block_types, at::Tensor final_norm, double eps, at::Tensor positions,
-                         at::Tensor cos, at::Tensor sin, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
+constexpr int64_t kProjectionsPerLayer = 4, kExtrasPerLayer = 5;
+constexpr int64_t kQkvBias = 0, kQNorm = 1, kKNorm = 2, kPostAttnNorm = 3, kPostMlpNorm = 4;
+at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> weights, std::vector<int64_t> parts,
+                         std::vector<at::Tensor> norms, std::vector<at::Tensor> tiles, std::vector<int64_t> block_types,
+                         std::vector<at::Tensor> extras, at::Tensor final_norm, double eps, at::Tensor positions,
+                         std::vector<at::Tensor> rope, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
                          at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv, std::vector<int64_t> windows, bool decode_step);
+                         int64_t hkv, std::vector<int64_t> windows, bool gelu_tanh, bool decode_step);
 
 }  // namespace kvserve
