@@ -217,8 +217,9 @@ def test_quantized_tensor_rows_and_cat_follow_the_matrix() -> None:
 @pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
 def test_row_groups_are_a_permutation_of_the_blocks(qtype: GGMLQuantizationType) -> None:
     gen = np.random.default_rng(7)
-    blocks = random_blocks(qtype, 24, 96, gen)
-    ggml = QuantizedTensor(torch.from_numpy(blocks), qtype, (24, 96))
+    k = 3 * GGML_QUANT_SIZES[qtype][0]
+    blocks = random_blocks(qtype, 24, k, gen)
+    ggml = QuantizedTensor(torch.from_numpy(blocks), qtype, (24, k))
     grouped = ggml.interleaved()
     assert grouped.row_group == ROW_GROUP_ROWS and grouped.nbytes == ggml.nbytes
     assert grouped.blocks.shape == (3, 8 * blocks.shape[1])
@@ -230,7 +231,8 @@ def test_row_groups_are_a_permutation_of_the_blocks(qtype: GGMLQuantizationType)
     group_block = grouped.blocks[0, 8 * block_bytes : 16 * block_bytes].numpy()
     row3_block1 = blocks[3, block_bytes : 2 * block_bytes]
     assert bytes(group_block[6:8]) == bytes(row3_block1[0:2])
-    fields = block_bytes - (32 if qtype == GGMLQuantizationType.Q8_0 else 16)
+    qs_bytes = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128}.get(qtype, 16)
+    fields = block_bytes - qs_bytes
     assert group_block[8 * fields + 32 * 2 + 4 * 3 + 1] == row3_block1[fields + 4 * 2 + 1]
 
 
@@ -238,28 +240,29 @@ def test_row_groups_are_a_permutation_of_the_blocks(qtype: GGMLQuantizationType)
 def test_dequantize_rows_gathers_rows_from_row_groups(kernels, qtype: GGMLQuantizationType) -> None:
     """The embedding's gather from a tied table kept in row groups: any rows, exactly as GGML's layout."""
     gen = np.random.default_rng(9)
-    blocks = random_blocks(qtype, 32, 128, gen)
-    grouped = QuantizedTensor(torch.from_numpy(blocks), qtype, (32, 128)).interleaved()
+    k = 2 * GGML_QUANT_SIZES[qtype][0]
+    blocks = random_blocks(qtype, 32, k, gen)
+    grouped = QuantizedTensor(torch.from_numpy(blocks), qtype, (32, k)).interleaved()
     ids = torch.tensor([31, 0, 9, 9, 8, 17, 3])
     ours = kernels.dequantize_rows(grouped.blocks, ids, grouped.kernel_type)
-    torch.testing.assert_close(ours, reference(blocks, qtype, 32, 128)[ids], rtol=0, atol=0)
+    torch.testing.assert_close(ours, reference(blocks, qtype, 32, k)[ids], rtol=0, atol=0)
 
 
 def test_only_whole_groups_of_grouped_types_are_interleaved() -> None:
     gen = np.random.default_rng(8)
-    q5 = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q5_0, 16, 64, gen)),
-                         GGMLQuantizationType.Q5_0, (16, 64))  # fmt: skip
+    q6k = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q6_K, 16, 256, gen)),
+                          GGMLQuantizationType.Q6_K, (16, 256))  # fmt: skip
     odd = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 12, 64, gen)),
                           GGMLQuantizationType.Q4_1, (12, 64))  # fmt: skip
-    assert q5.interleaved() is q5 and odd.interleaved() is odd
+    assert q6k.interleaved() is q6k and odd.interleaved() is odd
     with pytest.raises(ValueError, match="row groups of 8"):
-        QuantizedTensor(q5.blocks.view(2, -1), GGMLQuantizationType.Q5_0, (16, 64), ROW_GROUP_ROWS)
+        QuantizedTensor(q6k.blocks.view(2, -1), GGMLQuantizationType.Q6_K, (16, 256), ROW_GROUP_ROWS)
 
 
 def row_group_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tuple:
     """random_case's matrix with N a whole number of row groups, and it in row groups."""
     gen = np.random.default_rng(seed)
-    n, k = ROW_GROUP_ROWS * int(gen.integers(1, 9)), 32 * int(gen.integers(1, 7))
+    n, k = ROW_GROUP_ROWS * int(gen.integers(1, 9)), GGML_QUANT_SIZES[qtype][0] * int(gen.integers(1, 7))
     blocks = random_blocks(qtype, n, k, gen)
     x = torch.from_numpy(gen.standard_normal((int(gen.integers(1, max_rows + 1)), k)).astype(np.float32))
     grouped = QuantizedTensor(torch.from_numpy(blocks), qtype, (n, k)).interleaved()
@@ -298,16 +301,15 @@ def test_quant_gemv_on_row_groups_equals_it_on_ggml_blocks(kernels, qtype, dtype
 
 @needs_quant_gemv
 @pytest.mark.parametrize("decode_step", [False, True], ids=["prefill step", "decode step"])
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
 def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype, decode_step) -> None:
-    blocks, grouped, x = row_group_case(GGMLQuantizationType.Q4_1, 60, 1)
-    if qtype == GGMLQuantizationType.Q5_0:
-        n, k = grouped.shape
-        q5_blocks = random_blocks(qtype, n, k, np.random.default_rng(61))
-        grouped = QuantizedTensor(torch.from_numpy(q5_blocks), qtype, (n, k))
+    gen = np.random.default_rng(60)
+    n, k = 16, 256
+    grouped = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k)).interleaved()
+    x = torch.from_numpy(gen.standard_normal((1, k)).astype(np.float32))
     int8_rows = kernels.int8_max_rows(grouped.kernel_type)
     grouped_rows = 64 if kernels.amx_available() else 128  # row groups: fewer where AMX makes panels cheap
-    assert int8_rows == (grouped_rows if qtype == GGMLQuantizationType.Q4_1 else 8)  # row groups, GGML's layout
+    assert int8_rows == (grouped_rows if qtype in ROW_GROUP_TYPES else 8)  # row groups, GGML's layout
     most = int8_rows if decode_step else kernels.GEMV_MAX_ROWS
     for rows in sorted({1, 2, 3, most - 1, most, most + 1, most + 7}):
         xs = torch.cat([x * (i + 1) for i in range(rows)])

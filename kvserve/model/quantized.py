@@ -38,23 +38,45 @@ KERNEL_TYPES = (
 # kernels by ROW_GROUP_TYPE_OFFSET + the GGML type (the header's kRowGroupTypeOffset).
 ROW_GROUP_ROWS = 8
 ROW_GROUP_TYPE_OFFSET = 256
-ROW_GROUP_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+ROW_GROUP_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+)
 
 
 def _qs_bytes(qtype: GGMLQuantizationType) -> int:
-    """The bytes of a block's values (its qs), after its f16 fields: 32 int8 for Q8_0, 32 nibbles else."""
-    return 32 if qtype == GGMLQuantizationType.Q8_0 else 16
+    """The bytes of a block's values (its qs), after its fields: 32 int8 for Q8_0, 256 nibbles for Q4_K,
+    32 nibbles else."""
+    return {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128}.get(qtype, 16)
+
+
+def _field_widths(qtype: GGMLQuantizationType) -> list[int]:
+    """The bytes of each field before a block's qs: f16 d, then Q4_1's f16 m, Q5_0's 32 fifth bits, or
+    Q4_K's f16 dmin and its 12 scale bytes one field each."""
+    widths = {GGMLQuantizationType.Q4_1: [2, 2], GGMLQuantizationType.Q5_0: [2, 4]}
+    return [2, 2] + [1] * 12 if qtype == GGMLQuantizationType.Q4_K else widths.get(qtype, [2])
 
 
 @functools.cache
 def _row_group_order(qtype: GGMLQuantizationType) -> np.ndarray:
     """Byte b of a group block is byte order[b] of the group's eight GGML blocks laid end to end (row r's
-    block at r * block_bytes): each f16 field of the eight rows, then the 32-byte qs vectors (four, Q8_0's
+    block at r * block_bytes): each field of the eight rows, then the 32-byte qs vectors (four, Q8_0's
     eight), byte 4r + t of vector j being byte 4j + t of row r's qs (quant_row_groups.h)."""
     block_bytes, qs_bytes = GGML_QUANT_SIZES[qtype][1], _qs_bytes(qtype)
-    fields = block_bytes - qs_bytes
+    widths = _field_widths(qtype)
+    starts = np.cumsum([0, *widths])
     rows = range(ROW_GROUP_ROWS)
-    order = [r * block_bytes + 2 * f + c for f in range(fields // 2) for r in rows for c in range(2)]
+    order = [
+        r * block_bytes + int(start) + c
+        for start, w in zip(starts[:-1], widths, strict=True)
+        for r in rows
+        for c in range(w)
+    ]
+    fields = int(starts[-1])
+    assert fields == block_bytes - qs_bytes, "the fields and qs make the block"
     order += [r * block_bytes + fields + 4 * j + t for j in range(qs_bytes // 4) for r in rows for t in range(4)]
     return np.array(order)
 

@@ -269,17 +269,33 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
 // rows at once; the results of a group are eight adjacent outputs, stored as one vector. Per x block:
 // - 4-bit types: the eight u8 x s8 pair products per lane are summed in int16 before widening; eight of
 //   them reach at most 8 * 2 * 15 * 127 = 30,480 < 32,767 (x's int8 never holds -128: |q| <= 127 by its
-//   scale). The offsets (Q4_0's -8 d, Q4_1's m) multiply the sum of x, in a chain of their own.
+//   scale). The offsets (Q4_0's -8 d, Q4_1's m, Q5_0's -16 d) multiply the sum of x, in a chain of their own.
+// - Q5_0: the 4-bit types' nibbles with each one's fifth bit from qh set at bit 4 (fifth_bits), unsigned
+//   0-31; a pair sum (at most 2 * 31 * 127 = 7,874) fits int16, eight of them do not, so without VNNI
+//   each vector's sums widen to int32 as Q8_0's do.
 // - Q8_0 with VNNI: the weights flipped to unsigned (w + 128, one xor), dpbusd against x, and 128 times
 //   the block's integer sum of x taken off in int32, so the dot is exact before its one conversion.
 //   Without VNNI, maddubs takes |w| against x with w's sign (as the GGML layout's Q8_0), each pair sum at
 //   most 2 * 128 * 127 = 32,512, widened to int32 per vector since two would overflow int16.
 //
+// Q5_0's fifth bits of a row group's q vector v (elements 4v .. 4v+3 of each row, lane r: bits 4v .. 4v+3
+// of row r's qh, in its byte v / 2) at bit 4 of each byte, from qh (dword r: row r's 32 bits): each byte
+// takes its row's qh byte, then is compared with that byte all-ones but for its own bit.
+inline __m256i fifth_bits(__m256i qh, int v) {
+  const __m256i dword_bytes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
+                                                0x0C0C0C0C);  // byte 0 of each dword, per 128-bit lane
+  const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(dword_bytes, _mm256_set1_epi8(v / 2)));
+  const __m256i other_bits = _mm256_set1_epi32(~(0x08040201 << (4 * (v % 2))));  // byte t: all but bit 4(v % 2) + t
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, other_bits), _mm256_set1_epi8(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 // The M rows of x times group block row `group` (all its blocks): out[m], the group's eight results for
 // row m.
 template <typename Group, int M>
 inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
   constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;    // offset m
+  constexpr bool kFive = std::is_same_v<Group, quant::RowGroup<quant::Q5_0>>;   // fifth bits; offset -16 d
   constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;  // no offset; else Q4_0: -8 d
   const int64_t xblocks = x.k / kXBlock;
   const __m256i mask = _mm256_set1_epi8(0xF);
@@ -290,7 +306,8 @@ inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m256 offset = kEight ? _mm256_setzero_ps()
                           : kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
-                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+                                 : _mm256_mul_ps(d, _mm256_set1_ps(kFive ? -16.f : -8.f));
+    const __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
     __m256i q[8];  // q[t]: elements 4t .. 4t+3 of each row (quant_row_groups.h)
     for (int j = 0; j < Group::kQsVectors; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + Group::kQsOffset + 32 * j));
@@ -299,6 +316,10 @@ inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256
       } else {
         q[j] = _mm256_and_si256(v, mask);
         q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        if constexpr (kFive) {
+          q[j] = _mm256_or_si256(q[j], fifth_bits(qh, j));
+          q[j + 4] = _mm256_or_si256(q[j + 4], fifth_bits(qh, j + 4));
+        }
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -318,11 +339,13 @@ inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256
 #else
         if constexpr (kEight)
           sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(q[t]), _mm256_sign_epi8(xs, q[t])));
+        else if constexpr (kFive)
+          sum = _mm256_add_epi32(sum, dot_u8s8(q[t], xs));
         else
           sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[t], xs));
 #endif
       }
-      constexpr bool kInt32Sums = kVnni || kEight;  // else int16 pairs, widened once here
+      constexpr bool kInt32Sums = kVnni || kEight || kFive;  // else int16 pairs, widened once here
       const __m256i sum = kInt32Sums ? _mm256_add_epi32(sums[0], sums[1]) : _mm256_add_epi16(sums[0], sums[1]);
       const __m256 dot = _mm256_cvtepi32_ps(kInt32Sums ? sum : _mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
       acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[m]);
@@ -330,6 +353,72 @@ inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256
     }
   }
   for (int m = 0; m < M; ++m) out[m] = _mm256_add_ps(acc[m], acc_offset[m]);
+}
+
+// Q4_K in row groups: per 256-element super-block the eight rows' d and dmin, and their 6-bit sub-block
+// scales and mins unpacked for the eight rows at once (each scale byte of the eight rows widened to a lane
+// per row, then GGML's bit arithmetic, get_scale_min_k4, on the lanes); per 32-element sub-block the
+// 4-bit types' dots (int16 pair sums fit as Q4_0's do) times d * scale, and dmin * min times the sum of x
+// taken off in a chain of its own.
+template <typename Group, int M>
+inline void q4_k_row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+  const int64_t xblocks = x.k / kXBlock;
+  const __m256i mask = _mm256_set1_epi8(0xF), six_bits = _mm256_set1_epi32(63), four_bits = _mm256_set1_epi32(0xF);
+  __m256 acc[M], acc_offset[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), acc_offset[m] = _mm256_setzero_ps();
+  const uint8_t* p = group;
+  for (int64_t super = 0; super < xblocks / 8; ++super, p += Group::kBytes) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    __m256i scale_bytes[12];  // byte j of each row's 12 scale bytes, lane r
+    for (int j = 0; j < 12; ++j)
+      scale_bytes[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 8 * j)));
+    for (int sub = 0; sub < 8; ++sub) {
+      const __m256i* s = scale_bytes;
+      const __m256i sc = sub < 4 ? _mm256_and_si256(s[sub], six_bits)
+                                 : _mm256_or_si256(_mm256_and_si256(s[sub + 4], four_bits),
+                                                   _mm256_slli_epi32(_mm256_srli_epi32(s[sub - 4], 6), 4));
+      const __m256i mn = sub < 4 ? _mm256_and_si256(s[sub + 4], six_bits)
+                                 : _mm256_or_si256(_mm256_srli_epi32(s[sub + 4], 4),
+                                                   _mm256_slli_epi32(_mm256_srli_epi32(s[sub], 6), 4));
+      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)),
+                   offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
+      __m256i q[8];  // elements 4t .. 4t+3 of the sub-block, lane r: vectors 8 (sub / 2) + t, low or high nibbles
+      for (int t = 0; t < 8; ++t) {
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + Group::kQsOffset + 32 * (8 * (sub / 2) + t)));
+        q[t] = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(v, 4) : v, mask);
+      }
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = m * xblocks + 8 * super + sub;
+        const int8_t* xq = x.q + i * kXBlock;
+        __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // even and odd t, as above
+        for (int t = 0; t < 8; ++t) {
+          int32_t four;
+          std::memcpy(&four, xq + 4 * t, 4);
+#ifdef KVSERVE_HAS_VNNI
+          sums[t % 2] = dpbusd(sums[t % 2], q[t], _mm256_set1_epi32(four));
+#else
+          sums[t % 2] = _mm256_add_epi16(sums[t % 2], _mm256_maddubs_epi16(q[t], _mm256_set1_epi32(four)));
+#endif
+        }
+        const __m256i sum = kVnni ? _mm256_add_epi32(sums[0], sums[1])
+                                  : _mm256_madd_epi16(_mm256_add_epi16(sums[0], sums[1]), _mm256_set1_epi16(1));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i])), acc[m]);
+        acc_offset[m] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum32[i]), acc_offset[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm256_add_ps(acc[m], acc_offset[m]);
+}
+
+// The M rows of x times group block row `group`, by its type's form.
+template <typename Group, int M>
+inline void group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+  if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q4_K>>)
+    q4_k_row_group_rows<Group, M>(group, x, out);
+  else
+    row_group_rows<Group, M>(group, x, out);
 }
 
 // Every row of x, kRowChunk at a time over each group; each thread takes whole groups. Gated (W = [gate;
@@ -346,10 +435,10 @@ void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& 
       for_row_chunks(rows, [&](int64_t m0, auto chunk) {
         constexpr int M = decltype(chunk)::value;
         __m256 out[M];
-        row_group_rows<Group, M>(w + g * group_bytes, x.from_row(m0), out);
+        group_rows<Group, M>(w + g * group_bytes, x.from_row(m0), out);
         if (gate_groups > 0) {
           __m256 up[M];
-          row_group_rows<Group, M>(w + (gate_groups + g) * group_bytes, x.from_row(m0), up);
+          group_rows<Group, M>(w + (gate_groups + g) * group_bytes, x.from_row(m0), up);
           for (int m = 0; m < M; ++m) out[m] = silu_times(out[m], up[m]);
         }
         for (int m = 0; m < M; ++m) lanes_store(y + (m0 + m) * columns + g * Group::kRows, out[m]);

@@ -5,17 +5,24 @@
 // sum per row at the end) that a row group spends once per eight rows. kvserve/model/quantized.py packs
 // the groups at load (`QuantizedTensor.interleaved`); the bytes are a permutation of GGML's, no more.
 //
-// Group block b of rows 8g .. 8g+7 (Base = Q4_0, Q4_1 or Q8_0, whose blocks are [f16 fields][qs]: 16 qs
-// bytes for the 4-bit types, 32 for Q8_0):
-//   [field 0 of rows 0-7: 8 x f16][field 1 of rows 0-7 (Q4_1's m)][qs: kQsBytes / 4 vectors of 32 bytes]
-// where byte 4r + t of qs vector j is byte 4j + t of row r's qs. A 4-bit type's qs byte holds element i in
-// its low nibble and element i + 16 in its high one (GGML's), so the low nibbles of vector j are elements
-// 4j .. 4j+3 of each row, lane r, and its high nibbles elements 16 + 4j .. 16 + 4j + 3; Q8_0's vector j
-// holds elements 4j .. 4j+3 of each row as signed bytes.
+// Group block b of rows 8g .. 8g+7 (Base = Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K, whose blocks are [fields][qs]:
+// 16 qs bytes for the 4- and 5-bit types, 32 for Q8_0, 128 for Q4_K; the fields kFieldWidths: f16 d, then
+// Q4_1's f16 m, Q5_0's 32 fifth bits qh, Q4_K's f16 dmin and its 12 scale bytes one field each):
+//   [field 0 of rows 0-7][field 1 of rows 0-7] ... [qs: kQsBytes / 4 vectors of 32 bytes]
+// where byte 4r + t of qs vector j is byte 4j + t of row r's qs. A 4- or 5-bit type's qs byte holds
+// element i in its low nibble and element i + 16 in its high one (GGML's), so the low nibbles of vector j
+// are elements 4j .. 4j+3 of each row, lane r, and its high nibbles elements 16 + 4j .. 16 + 4j + 3; Q5_0's
+// qh of row r (bit i: element i's fifth bit) is dword r of its field, lane r too; Q8_0's vector j holds
+// elements 4j .. 4j+3 of each row as signed bytes. Q4_K's qs byte 32c + l holds element 64c + l low and
+// 64c + 32 + l high, so vector 8c + j holds elements 4j .. 4j+3 of sub-block 2c (low nibbles) and of
+// sub-block 2c + 1 (high); scale byte j of the eight rows is one 8-byte field, a lane per row once widened.
 //
-// The matrix is uint8 [N / 8, K / 32 * kBytes]; a type number kRowGroupTypeOffset + Base::kType names
+// The matrix is uint8 [N / 8, K / kElems * kBytes]; a type number kRowGroupTypeOffset + Base::kType names
 // it to the kernels (kvserve/model/quantized.py: ROW_GROUP_TYPE_OFFSET, the same number).
 #pragma once
+
+#include <array>
+#include <numeric>
 
 #include "quant_blocks.h"
 
@@ -23,18 +30,36 @@ namespace kvserve::quant {
 
 constexpr int64_t kRowGroupTypeOffset = 256;  // above every GGML type number
 
+// The bytes of each field before a block's qs, in GGML's order: its row group's fields.
+constexpr std::array<int64_t, 1> field_widths(Q4_0) { return {2}; }     // d
+constexpr std::array<int64_t, 1> field_widths(Q8_0) { return {2}; }     // d
+constexpr std::array<int64_t, 2> field_widths(Q4_1) { return {2, 2}; }  // d, m
+constexpr std::array<int64_t, 2> field_widths(Q5_0) { return {2, 4}; }  // d, qh
+constexpr std::array<int64_t, 14> field_widths(Q4_K) {
+  return {2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+}  // d, dmin, scales
+
 template <typename Base>
 struct RowGroup {
-  static_assert(std::is_same_v<Base, Q4_0> || std::is_same_v<Base, Q4_1> || std::is_same_v<Base, Q8_0>);
+  static_assert(std::is_same_v<Base, Q4_0> || std::is_same_v<Base, Q4_1> || std::is_same_v<Base, Q5_0> ||
+                std::is_same_v<Base, Q8_0> || std::is_same_v<Base, Q4_K>);
   static constexpr int64_t kRows = 8, kElems = Base::kElems, kBytes = kRows * Base::kBytes;
   static constexpr int64_t kType = kRowGroupTypeOffset + Base::kType;
-  static constexpr int64_t kQsBytes = std::is_same_v<Base, Q8_0> ? 32 : 16, kQsVectors = kQsBytes / 4;
-  static constexpr int64_t kFieldBytes = Base::kBytes - kQsBytes;  // Q4_0, Q8_0: d; Q4_1: d, m
+  static constexpr int64_t kQsBytes = std::is_same_v<Base, Q8_0> ? 32 : std::is_same_v<Base, Q4_K> ? 128 : 16;
+  static constexpr int64_t kQsVectors = kQsBytes / 4;
+  static constexpr auto kFieldWidths = field_widths(Base{});
+  static constexpr int64_t kFieldBytes = Base::kBytes - kQsBytes;
   static constexpr int64_t kQsOffset = kRows * kFieldBytes;
+  static_assert(std::accumulate(kFieldWidths.begin(), kFieldWidths.end(), int64_t{0}) == kFieldBytes);
 
   // Row r's block in GGML's layout (Base::kBytes bytes) from group block `group`.
   static void gather(const uint8_t* group, int64_t r, uint8_t* block) {
-    for (int64_t f = 0; f < kFieldBytes / 2; ++f) std::memcpy(block + 2 * f, group + f * 2 * kRows + 2 * r, 2);
+    int64_t field_offset = 0, block_offset = 0;
+    for (const int64_t width : kFieldWidths) {
+      std::memcpy(block + block_offset, group + field_offset + width * r, width);
+      field_offset += kRows * width;
+      block_offset += width;
+    }
     for (int64_t j = 0; j < kQsVectors; ++j)
       std::memcpy(block + kFieldBytes + 4 * j, group + kQsOffset + 32 * j + 4 * r, 4);
   }
@@ -49,11 +74,24 @@ struct RowGroup {
   }
 
   // The eight rows of group block `group` dequantized into out + r * stride (row r's Base::kElems floats),
-  // exactly as Base::dequantize (and gguf) computes them: a transpose of the qs vectors gives each row
-  // its GGML qs bytes, then the same vector operations as GGML's layout.
+  // exactly as Base::dequantize (and gguf) computes them.
   template <typename Out>
   static void dequantize_group(const uint8_t* group, Out* out, int64_t stride) {
 #ifdef KVSERVE_QUANT_AVX2
+    if constexpr (!std::is_same_v<Base, Q4_K>) {  // Q4_K row by row: the panel product's fixed cost, not the GEMV's
+      dequantize_group_avx2(group, out, stride);
+      return;
+    }
+#endif
+    for (int64_t r = 0; r < kRows; ++r) dequantize_row(group, r, out + r * stride);
+  }
+
+ private:
+#ifdef KVSERVE_QUANT_AVX2
+  // dequantize_group for the 32-element types: a transpose of the qs vectors gives each row its GGML qs
+  // bytes, then the same vector operations as GGML's layout.
+  template <typename Out>
+  static void dequantize_group_avx2(const uint8_t* group, Out* out, int64_t stride) {
     if constexpr (std::is_same_v<Base, Q8_0>) {
       const __m256i* qs = reinterpret_cast<const __m256i*>(group + kQsOffset);
       __m256i v[8];  // dword r of v[j]: row r's qs bytes 4j .. 4j+3
@@ -90,19 +128,18 @@ struct RowGroup {
       dequantize_qs(_mm256_castsi256_si128(row_pairs[p]), group, p, out + p * stride);
       dequantize_qs(_mm256_extracti128_si256(row_pairs[p], 1), group, p + 4, out + (p + 4) * stride);
     }
-    return;
-#endif
-    for (int64_t r = 0; r < kRows; ++r) dequantize_row(group, r, out + r * stride);
   }
 
- private:
-#ifdef KVSERVE_QUANT_AVX2
   // Row r's values from its 16 GGML-order qs bytes and its scale fields, as Base::dequantize does.
   template <typename Out>
   static void dequantize_qs(__m128i qs, const uint8_t* group, int64_t r, Out* out) {
     const float d = half_to_float(group + 2 * r);
     if constexpr (std::is_same_v<Base, Q4_1>)
       widen32<true>(nibbles32(qs), d, d, half_to_float(group + 2 * kRows + 2 * r), out);
+    else if constexpr (std::is_same_v<Base, Q5_0>)
+      widen32<false>(
+          _mm256_sub_epi8(_mm256_or_si256(nibbles32(qs), high_bits32(group + 2 * kRows + 4 * r)), _mm256_set1_epi8(16)),
+          d, d, 0.f, out);
     else
       widen32<false>(_mm256_sub_epi8(nibbles32(qs), _mm256_set1_epi8(8)), d, d, 0.f, out);
   }
@@ -117,6 +154,10 @@ decltype(auto) visit_kernel_type(int64_t type, Fn&& fn) {
       return fn(RowGroup<Q4_0>{});
     case RowGroup<Q4_1>::kType:
       return fn(RowGroup<Q4_1>{});
+    case RowGroup<Q5_0>::kType:
+      return fn(RowGroup<Q5_0>{});
+    case RowGroup<Q4_K>::kType:
+      return fn(RowGroup<Q4_K>{});
     case RowGroup<Q8_0>::kType:
       return fn(RowGroup<Q8_0>{});
   }
