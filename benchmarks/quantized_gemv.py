@@ -1,7 +1,7 @@
 """Quantized-weight products (kernels/cpu/quant_gemv.cpp, quant_linear.cpp) against the engine's bf16
 linear on the same shapes (kvserve.model.linear.make_linear: the bf16 GEMV at 1-2 rows, oneDNN above):
 per kernel, block type, shape and row count, the median time and the effective bandwidth (the bytes of
-the weight it reads, quantized or bf16, per second). For block types with row groups (all six;
+the weight it reads, quantized or bf16, per second). For block types with row groups (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K;
 kvserve/model/quantized.py) the same matrix in row groups, as the engine holds its projections, is a
 column of its own ("groups us"; "GB/s" is GGML's layout).
 

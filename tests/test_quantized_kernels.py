@@ -230,15 +230,10 @@ def test_row_groups_are_a_permutation_of_the_blocks(qtype: GGMLQuantizationType)
     block_bytes = GGML_QUANT_SIZES[qtype][1]
     group_block = grouped.blocks[0, 8 * block_bytes : 16 * block_bytes].numpy()
     row3_block1 = blocks[3, block_bytes : 2 * block_bytes]
-    qs_bytes = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128, GGMLQuantizationType.Q6_K: 192}
-    fields = block_bytes - qs_bytes.get(qtype, 16)
-    if qtype == GGMLQuantizationType.Q6_K:  # GGML's [ql qh][16 scales][d]: d is the last of the group's fields
-        assert bytes(group_block[8 * 16 + 6 : 8 * 16 + 8]) == bytes(row3_block1[208:210])
-        qs_start = 0
-    else:  # [d ...][qs]
-        assert bytes(group_block[6:8]) == bytes(row3_block1[0:2])
-        qs_start = fields
-    assert group_block[8 * fields + 32 * 2 + 4 * 3 + 1] == row3_block1[qs_start + 4 * 2 + 1]
+    assert bytes(group_block[6:8]) == bytes(row3_block1[0:2])
+    qs_bytes = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128}.get(qtype, 16)
+    fields = block_bytes - qs_bytes
+    assert group_block[8 * fields + 32 * 2 + 4 * 3 + 1] == row3_block1[fields + 4 * 2 + 1]
 
 
 @pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
@@ -255,11 +250,13 @@ def test_dequantize_rows_gathers_rows_from_row_groups(kernels, qtype: GGMLQuanti
 
 def test_only_whole_groups_of_grouped_types_are_interleaved() -> None:
     gen = np.random.default_rng(8)
+    q6k = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q6_K, 16, 256, gen)),
+                          GGMLQuantizationType.Q6_K, (16, 256))  # fmt: skip
     odd = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 12, 64, gen)),
                           GGMLQuantizationType.Q4_1, (12, 64))  # fmt: skip
-    assert odd.interleaved() is odd
+    assert q6k.interleaved() is q6k and odd.interleaved() is odd
     with pytest.raises(ValueError, match="row groups of 8"):
-        QuantizedTensor(odd.blocks, GGMLQuantizationType.Q4_1, (12, 64), ROW_GROUP_ROWS)
+        QuantizedTensor(q6k.blocks.view(2, -1), GGMLQuantizationType.Q6_K, (16, 256), ROW_GROUP_ROWS)
 
 
 def row_group_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tuple:
@@ -304,22 +301,15 @@ def test_quant_gemv_on_row_groups_equals_it_on_ggml_blocks(kernels, qtype, dtype
 
 @needs_quant_gemv
 @pytest.mark.parametrize("decode_step", [False, True], ids=["prefill step", "decode step"])
-@pytest.mark.parametrize(
-    ("qtype", "n"),
-    [(GGMLQuantizationType.Q4_1, 16), (GGMLQuantizationType.Q6_K, 16), (GGMLQuantizationType.Q6_K, 12)],
-    ids=["Q4_1 row groups", "Q6_K row groups", "GGML's layout"],  # 12 rows: not whole groups
-)
-def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype, n, decode_step) -> None:
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
+def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype, decode_step) -> None:
     gen = np.random.default_rng(60)
-    k = 256
+    n, k = 16, 256
     grouped = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k)).interleaved()
     x = torch.from_numpy(gen.standard_normal((1, k)).astype(np.float32))
     int8_rows = kernels.int8_max_rows(grouped.kernel_type)
     grouped_rows = 64 if kernels.amx_available() else 128  # row groups: fewer where AMX makes panels cheap
-    if grouped.row_group == 1:
-        assert int8_rows == 8
-    else:
-        assert int8_rows == (32 if qtype == GGMLQuantizationType.Q6_K else grouped_rows)
+    assert int8_rows == (grouped_rows if qtype in ROW_GROUP_TYPES else 8)  # row groups, GGML's layout
     most = int8_rows if decode_step else kernels.GEMV_MAX_ROWS
     for rows in sorted({1, 2, 3, most - 1, most, most + 1, most + 7}):
         xs = torch.cat([x * (i + 1) for i in range(rows)])

@@ -44,29 +44,30 @@ ROW_GROUP_TYPES = (
     GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q6_K,
 )
-# Per row-group type, its block's values (qs) in bytes and the byte widths of its other fields, in GGML's
-# block order: f16 d, then Q4_1's f16 m, Q5_0's 32 fifth bits, Q4_K's f16 dmin and its 12 scale bytes one
-# field each; Q6_K's qs (ql, then qh) come first, then its 16 int8 scales one field each, then d.
-_QS_BYTES = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128, GGMLQuantizationType.Q6_K: 192}  # else 16
-_FIELD_WIDTHS = {  # else [2]
-    GGMLQuantizationType.Q4_1: [2, 2],
-    GGMLQuantizationType.Q5_0: [2, 4],
-    GGMLQuantizationType.Q4_K: [2, 2] + [1] * 12,
-    GGMLQuantizationType.Q6_K: [1] * 16 + [2],
-}
+
+
+def _qs_bytes(qtype: GGMLQuantizationType) -> int:
+    """The bytes of a block's values (its qs), after its fields: 32 int8 for Q8_0, 256 nibbles for Q4_K,
+    32 nibbles else."""
+    return {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128}.get(qtype, 16)
+
+
+def _field_widths(qtype: GGMLQuantizationType) -> list[int]:
+    """The bytes of each field before a block's qs: f16 d, then Q4_1's f16 m, Q5_0's 32 fifth bits, or
+    Q4_K's f16 dmin and its 12 scale bytes one field each."""
+    widths = {GGMLQuantizationType.Q4_1: [2, 2], GGMLQuantizationType.Q5_0: [2, 4]}
+    return [2, 2] + [1] * 12 if qtype == GGMLQuantizationType.Q4_K else widths.get(qtype, [2])
 
 
 @functools.cache
 def _row_group_order(qtype: GGMLQuantizationType) -> np.ndarray:
     """Byte b of a group block is byte order[b] of the group's eight GGML blocks laid end to end (row r's
-    block at r * block_bytes): each field of the eight rows, then the 32-byte qs vectors, byte 4r + t of
-    vector j being byte 4j + t of row r's qs (quant_row_groups.h)."""
-    block_bytes, qs_bytes = GGML_QUANT_SIZES[qtype][1], _QS_BYTES.get(qtype, 16)
-    widths = _FIELD_WIDTHS.get(qtype, [2])
-    qs_first = qtype == GGMLQuantizationType.Q6_K
-    starts = np.cumsum([qs_bytes if qs_first else 0, *widths])
+    block at r * block_bytes): each field of the eight rows, then the 32-byte qs vectors (four, Q8_0's
+    eight), byte 4r + t of vector j being byte 4j + t of row r's qs (quant_row_groups.h)."""
+    block_bytes, qs_bytes = GGML_QUANT_SIZES[qtype][1], _qs_bytes(qtype)
+    widths = _field_widths(qtype)
+    starts = np.cumsum([0, *widths])
     rows = range(ROW_GROUP_ROWS)
     order = [
         r * block_bytes + int(start) + c
@@ -74,9 +75,9 @@ def _row_group_order(qtype: GGMLQuantizationType) -> np.ndarray:
         for r in rows
         for c in range(w)
     ]
-    assert sum(widths) == block_bytes - qs_bytes, "the fields and qs make the block"
-    qs_start = 0 if qs_first else sum(widths)
-    order += [r * block_bytes + qs_start + 4 * j + t for j in range(qs_bytes // 4) for r in rows for t in range(4)]
+    fields = int(starts[-1])
+    assert fields == block_bytes - qs_bytes, "the fields and qs make the block"
+    order += [r * block_bytes + fields + 4 * j + t for j in range(qs_bytes // 4) for r in rows for t in range(4)]
     return np.array(order)
 
 

@@ -412,64 +412,11 @@ inline void q4_k_row_group_rows(const uint8_t* group, const ActivationRows& x, _
   for (int m = 0; m < M; ++m) out[m] = _mm256_add_ps(acc[m], acc_offset[m]);
 }
 
-// Q6_K in row groups: per 256-element super-block the eight rows' d, and per 32-element x block (h =
-// block / 4, t = block % 4) the 6-bit values 0-63 of each row from a ql nibble and two qh bits. Its two
-// 16-element halves carry their own int8 scales (a lane per row), so their integer dots run in two chains,
-// each started at -32 times its half's integer x sum (the values' offset), then scaled in int32: at most
-// 2 * 16 * 32 * 127 * 128, exact, and exact again in float32 (under 2^24). Without VNNI a pair sum
-// (2 * 63 * 127 = 16,002) fits int16, two do not: each vector widens to int32.
-template <typename Group, int M>
-inline void q6_k_row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
-  const int64_t xblocks = x.k / kXBlock;
-  const __m256i four_bits = _mm256_set1_epi8(0xF), two_bits = _mm256_set1_epi8(3);
-  __m256 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const uint8_t* p = group;
-  for (int64_t super = 0; super < xblocks / 8; ++super, p += Group::kBytes) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * Group::kRows)));
-    const uint8_t* qs = p + Group::kQsOffset;
-    for (int block = 0; block < 8; ++block) {
-      const int h = block / 4, t = block % 4;
-      auto scale_of = [&](int half) {  // int8 scale 2 block + half of each row
-        return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (2 * block + half))));
-      };
-      const __m256i scales[2] = {scale_of(0), scale_of(1)};
-      __m256i q[8];  // elements 4j .. 4j+3 of the x block, lane r
-      for (int j = 0; j < 8; ++j) {
-        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (16 * h + 8 * (t % 2) + j)));
-        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (32 + 8 * h + j)));
-        const __m256i low = _mm256_and_si256(t / 2 ? _mm256_srli_epi16(ql, 4) : ql, four_bits);
-        q[j] = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), two_bits), 4));
-      }
-      for (int m = 0; m < M; ++m) {
-        const int64_t i = m * xblocks + 8 * super + block;
-        const int8_t* xq = x.q + i * kXBlock;
-        __m256i sums[2] = {_mm256_set1_epi32(-32 * x.sum16[2 * i]), _mm256_set1_epi32(-32 * x.sum16[2 * i + 1])};
-        for (int j = 0; j < 8; ++j) {
-          int32_t four;
-          std::memcpy(&four, xq + 4 * j, 4);
-#ifdef KVSERVE_HAS_VNNI
-          sums[j / 4] = dpbusd(sums[j / 4], q[j], _mm256_set1_epi32(four));
-#else
-          sums[j / 4] = _mm256_add_epi32(sums[j / 4], dot_u8s8(q[j], _mm256_set1_epi32(four)));
-#endif
-        }
-        const __m256i dot =
-            _mm256_add_epi32(_mm256_mullo_epi32(sums[0], scales[0]), _mm256_mullo_epi32(sums[1], scales[1]));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[m]);
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m) out[m] = acc[m];
-}
-
 // The M rows of x times group block row `group`, by its type's form.
 template <typename Group, int M>
 inline void group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
   if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q4_K>>)
     q4_k_row_group_rows<Group, M>(group, x, out);
-  else if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q6_K>>)
-    q6_k_row_group_rows<Group, M>(group, x, out);
   else
     row_group_rows<Group, M>(group, x, out);
 }

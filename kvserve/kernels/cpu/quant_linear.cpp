@@ -248,14 +248,11 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
 // (benchmarks/RESULTS.md, "int8 decode batches"): row groups cross at 64-128 rows, GGML's at 8-16; whole
 // decode steps of 100 rows ran 15-20 % faster on the GEMV (RESULTS.md, "Decode attention on
 // AVX512-BF16"), hence 128 without AMX. With AMX, whose tiles make the panel product's own products
-// cheaper, the limit stays at 64, not measured again. Q6_K's row groups, whose GEMV unpacks six-bit values
-// from two vectors per x block and scales each half apart, cross at 32-48 rows on Zen 4 ("Q6_K row groups").
+// cheaper, the limit stays at 64, not measured again.
 int64_t int8_max_rows(int64_t type) {
   const int64_t grouped_rows = amx_permitted() ? 64 : 128;
   return quant::visit_kernel_type(type, [=](auto block) -> int64_t {
-    using Block = decltype(block);
-    if constexpr (std::is_same_v<Block, quant::RowGroup<quant::Q6_K>>) return 32;
-    return quant::rows_per_stored_row<Block>() > 1 ? grouped_rows : 8;
+    return quant::rows_per_stored_row<decltype(block)>() > 1 ? grouped_rows : 8;
   });
 }
 
