@@ -300,6 +300,31 @@ def test_quant_gemv_on_row_groups_equals_it_on_ggml_blocks(kernels, qtype, dtype
 
 
 @needs_quant_gemv
+@pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
+def test_quant_gemv_on_row_groups_covers_every_tile_and_its_tail(kernels, qtype: GGMLQuantizationType) -> None:
+    """The row-group GEMV multiplies tiles of up to four groups (on AVX-512 with VNNI: 512-bit vectors of two
+    groups, two vectors per tile for Q8_0, where x has two chunks of four rows or more) and narrower tiles for
+    each thread's last groups. With nine rows, every group count from 1 to 9 gives the GGML layout's results,
+    and its gated form silu_mul of them exactly."""
+    gen = np.random.default_rng(80)
+    k = GGML_QUANT_SIZES[qtype][0] * 2
+    x = torch.from_numpy(gen.standard_normal((9, k)).astype(np.float32))
+    for groups in range(1, 10):
+        n = ROW_GROUP_ROWS * groups
+        blocks = random_blocks(qtype, n, k, gen)
+        grouped = QuantizedTensor(torch.from_numpy(blocks), qtype, (n, k)).interleaved()
+        ours = kernels.quant_gemv(x, grouped.blocks, grouped.kernel_type)
+        ggml = kernels.quant_gemv(x, torch.from_numpy(blocks), int(qtype))
+        slack = float_slack(reference(blocks, qtype, n, k), x, ggml.double(), torch.float32)
+        assert within(ours, ggml.double(), slack), f"{groups} groups"
+        gate_up_blocks = torch.from_numpy(random_blocks(qtype, 2 * n, k, gen))
+        gate_up = QuantizedTensor(gate_up_blocks, qtype, (2 * n, k)).interleaved()
+        gated = kernels.quant_gemv(x, gate_up.blocks, gate_up.kernel_type, True)
+        product = kernels.quant_gemv(x, gate_up.blocks, gate_up.kernel_type)
+        torch.testing.assert_close(gated, kernels.silu_mul(product), rtol=0, atol=0, msg=f"{groups} groups, gated")
+
+
+@needs_quant_gemv
 @pytest.mark.parametrize("decode_step", [False, True], ids=["prefill step", "decode step"])
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
 def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype, decode_step) -> None:

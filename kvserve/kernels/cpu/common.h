@@ -169,6 +169,11 @@ inline __m512 splat<__m512>(float v) {
 }
 inline __m512 lanes_load(const float* p, __m512) { return _mm512_loadu_ps(p); }
 inline void lanes_store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Into bf16 bits, each half as the 256-bit form rounds it.
+inline void lanes_store(uint16_t* p, __m512 v) {
+  lanes_store(p, _mm512_castps512_ps256(v));
+  lanes_store(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
 inline __m512 lanes_fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
 inline __m512 lanes_min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
 inline __m512 lanes_max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }

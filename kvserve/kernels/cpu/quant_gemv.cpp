@@ -264,9 +264,81 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
   });
 }
 
-// The same product over row groups (quant_row_groups.h): each 32-bit lane is one of the group's eight
-// rows, so the scales of eight rows load as one vector and every product, sum and scaling serves eight
-// rows at once; the results of a group are eight adjacent outputs, stored as one vector. Per x block:
+// Row-group vectors (quant_row_groups.h), by width: GroupLanes8 holds one group's eight rows in a
+// 256-bit vector, a 32-bit lane per row; GroupLanes16, on AVX-512 with VNNI, two neighbouring groups in a
+// 512-bit vector, one per 256-bit half, so each broadcast of x, each dot instruction and each scaling
+// serves sixteen rows. A vector's groups lie `stride` bytes apart (the matrix's bytes per group). The
+// kernels below are written once over these operations. Without VNNI only the 256-bit form exists.
+struct GroupLanes8 {
+  using Int = __m256i;
+  using Float = __m256;
+  static constexpr int64_t kGroups = 1;
+  static Int load(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Float halves(const uint8_t* p, int64_t) {  // a field of f16 per row
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static Int byte_lanes(const uint8_t* p, int64_t) {  // a field of one byte per row, widened to its lane
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static Int bytes(int8_t v) { return _mm256_set1_epi8(v); }
+  static Int dwords(int32_t v) { return _mm256_set1_epi32(v); }
+  static Int zero() { return _mm256_setzero_si256(); }
+  static Int each_128(__m128i v) { return _mm256_broadcastsi128_si256(v); }  // v in every 128-bit lane
+  static Int srli16(Int v, int n) { return _mm256_srli_epi16(v, n); }
+  static Int srli32(Int v, int n) { return _mm256_srli_epi32(v, n); }
+  static Int slli32(Int v, int n) { return _mm256_slli_epi32(v, n); }
+  static Int add32(Int a, Int b) { return _mm256_add_epi32(a, b); }
+  static Int add8(Int a, Int b) { return _mm256_add_epi8(a, b); }
+  static Int shuffle8(Int v, Int index) { return _mm256_shuffle_epi8(v, index); }  // within each 128-bit lane
+  static Int where_any_bit(Int v, Int bits, Int value) {  // per byte: value where v & bits is not 0, else 0
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_or_si256(v, _mm256_xor_si256(bits, bytes(-1))), bytes(-1)), value);
+  }
+  static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
+#ifdef KVSERVE_HAS_VNNI
+  static Int dot(Int acc, Int u, Int s) { return dpbusd(acc, u, s); }
+#endif
+};
+
+#if defined(KVSERVE_HAS_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVSERVE_HAS_GROUP_LANES16 1
+struct GroupLanes16 {
+  using Int = __m512i;
+  using Float = __m512;
+  static constexpr int64_t kGroups = 2;
+  static Int load(const uint8_t* p, int64_t stride) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(GroupLanes8::load(p, 0)), GroupLanes8::load(p + stride, 0), 1);
+  }
+  static Float halves(const uint8_t* p, int64_t stride) {
+    const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1));
+  }
+  static Int byte_lanes(const uint8_t* p, int64_t stride) {
+    const __m128i low = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i high = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride));
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high));
+  }
+  static Int bytes(int8_t v) { return _mm512_set1_epi8(v); }
+  static Int dwords(int32_t v) { return _mm512_set1_epi32(v); }
+  static Int zero() { return _mm512_setzero_si512(); }
+  static Int each_128(__m128i v) { return _mm512_broadcast_i32x4(v); }
+  static Int srli16(Int v, int n) { return _mm512_srli_epi16(v, n); }
+  static Int srli32(Int v, int n) { return _mm512_srli_epi32(v, n); }
+  static Int slli32(Int v, int n) { return _mm512_slli_epi32(v, n); }
+  static Int add32(Int a, Int b) { return _mm512_add_epi32(a, b); }
+  static Int add8(Int a, Int b) { return _mm512_add_epi8(a, b); }
+  static Int shuffle8(Int v, Int index) { return _mm512_shuffle_epi8(v, index); }
+  static Int where_any_bit(Int v, Int bits, Int value) {
+    return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(v, bits), value);
+  }
+  static Float to_float(Int v) { return _mm512_cvtepi32_ps(v); }
+  static Int dot(Int acc, Int u, Int s) { return _mm512_dpbusd_epi32(acc, u, s); }
+};
+#endif
+
+// The same product over row groups: each 32-bit lane is one row, so the scales of a vector's rows load
+// as one vector and every product, sum and scaling serves all of them at once; a vector's results are
+// adjacent outputs, stored as one vector. Per x block:
 // - 4-bit types: the eight u8 x s8 pair products per lane are summed in int16 before widening; eight of
 //   them reach at most 8 * 2 * 15 * 127 = 30,480 < 32,767 (x's int8 never holds -128: |q| <= 127 by its
 //   scale). The offsets (Q4_0's -8 d, Q4_1's m, Q5_0's -16 d) multiply the sum of x, in a chain of their own.
@@ -280,169 +352,223 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
 //
 // Q5_0's fifth bits of a row group's q vector v (elements 4v .. 4v+3 of each row, lane r: bits 4v .. 4v+3
 // of row r's qh, in its byte v / 2) at bit 4 of each byte, from qh (dword r: row r's 32 bits): each byte
-// takes its row's qh byte, then is compared with that byte all-ones but for its own bit.
-inline __m256i fifth_bits(__m256i qh, int v) {
-  const __m256i dword_bytes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808,
-                                                0x0C0C0C0C);  // byte 0 of each dword, per 128-bit lane
-  const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(dword_bytes, _mm256_set1_epi8(v / 2)));
-  const __m256i other_bits = _mm256_set1_epi32(~(0x08040201 << (4 * (v % 2))));  // byte t: all but bit 4(v % 2) + t
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, other_bits), _mm256_set1_epi8(-1));
-  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+// takes its row's qh byte, then keeps 0x10 where its own bit is set.
+template <typename L>
+inline typename L::Int fifth_bits(typename L::Int qh, int v) {
+  const auto dword_bytes = L::each_128(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C));  // byte 0 of each dword
+  const auto spread = L::shuffle8(qh, L::add8(dword_bytes, L::bytes(static_cast<int8_t>(v / 2))));
+  return L::where_any_bit(spread, L::dwords(0x08040201 << (4 * (v % 2))), L::bytes(0x10));  // byte t: bit 4(v % 2) + t
 }
-
-// The M rows of x times group block row `group` (all its blocks): out[m], the group's eight results for
-// row m.
-template <typename Group, int M>
-inline void row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+// The M rows of x times V vectors of row groups from group block row `group` on (L::kGroups * V groups,
+// `stride` bytes apart; all their blocks): out[m * V + v], vector v's results for row m.
+template <typename Group, int M, typename L, int V>
+inline void row_group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
+  using Int = typename L::Int;
+  using Float = typename L::Float;
   constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;    // offset m
   constexpr bool kFive = std::is_same_v<Group, quant::RowGroup<quant::Q5_0>>;   // fifth bits; offset -16 d
   constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;  // no offset; else Q4_0: -8 d
   const int64_t xblocks = x.k / kXBlock;
-  const __m256i mask = _mm256_set1_epi8(0xF);
-  __m256 acc[M], acc_offset[M];  // the integer products' terms and the offsets' (separate chains)
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), acc_offset[m] = _mm256_setzero_ps();
+  const Int mask = L::bytes(0xF);
+  Float acc[M][V], acc_offset[M][V];  // the integer products' terms and the offsets' (separate chains)
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
   const uint8_t* p = group;
   for (int64_t b = 0; b < xblocks; ++b, p += Group::kBytes) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 offset = kEight ? _mm256_setzero_ps()
-                          : kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
-                                 : _mm256_mul_ps(d, _mm256_set1_ps(kFive ? -16.f : -8.f));
-    const __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)) : _mm256_setzero_si256();
-    __m256i q[8];  // q[t]: elements 4t .. 4t+3 of each row (quant_row_groups.h)
-    for (int j = 0; j < Group::kQsVectors; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + Group::kQsOffset + 32 * j));
-      if constexpr (kEight) {
-        q[j] = kVnni ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;  // VNNI: w + 128
-      } else {
-        q[j] = _mm256_and_si256(v, mask);
-        q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        if constexpr (kFive) {
-          q[j] = _mm256_or_si256(q[j], fifth_bits(qh, j));
-          q[j + 4] = _mm256_or_si256(q[j + 4], fifth_bits(qh, j + 4));
+    Float d[V], offset[V];
+    Int q[V][8];  // q[v][t]: elements 4t .. 4t+3 of each row of vector v (quant_row_groups.h)
+    for (int v = 0; v < V; ++v) {
+      const uint8_t* pv = p + v * L::kGroups * stride;
+      d[v] = L::halves(pv, stride);
+      offset[v] = kEight ? splat<Float>(0.f)
+                  : kMin ? L::halves(pv + 16, stride)
+                         : d[v] * splat<Float>(kFive ? -16.f : -8.f);
+      const Int qh = kFive ? L::load(pv + 16, stride) : L::zero();
+      for (int j = 0; j < Group::kQsVectors; ++j) {
+        const Int w = L::load(pv + Group::kQsOffset + 32 * j, stride);
+        if constexpr (kEight) {
+          q[v][j] = kVnni ? w ^ L::bytes(static_cast<int8_t>(0x80)) : w;  // VNNI: w + 128
+        } else {
+          q[v][j] = w & mask;
+          q[v][j + 4] = L::srli16(w, 4) & mask;
+          if constexpr (kFive) {
+            q[v][j] = q[v][j] | fifth_bits<L>(qh, j);
+            q[v][j + 4] = q[v][j + 4] | fifth_bits<L>(qh, j + 4);
+          }
         }
       }
     }
     for (int m = 0; m < M; ++m) {
       const int64_t i = m * xblocks + b;
       const int8_t* xq = x.q + i * kXBlock;
-      // Two chains, even and odd t, so the dot products' latencies overlap; with VNNI, Q8_0's unsigned
-      // weights (w + 128) count 128 times x's sum too, so its first chain starts at minus that.
+      // Two chains per vector, even and odd t, so the dot products' latencies overlap; with VNNI, Q8_0's
+      // unsigned weights (w + 128) count 128 times x's sum too, so its first chain starts at minus that.
       const int32_t start = kEight && kVnni ? -128 * (x.sum16[2 * i] + x.sum16[2 * i + 1]) : 0;
-      __m256i sums[2] = {_mm256_set1_epi32(start), _mm256_setzero_si256()};
+      Int sums[V][2];
+      for (int v = 0; v < V; ++v) sums[v][0] = L::dwords(start), sums[v][1] = L::zero();
       for (int t = 0; t < 8; ++t) {
         int32_t four;
         std::memcpy(&four, xq + 4 * t, 4);
-        const __m256i xs = _mm256_set1_epi32(four);
-        __m256i& sum = sums[t % 2];
+        const Int xs = L::dwords(four);
+        for (int v = 0; v < V; ++v) {
+          Int& sum = sums[v][t % 2];
 #ifdef KVSERVE_HAS_VNNI
-        sum = dpbusd(sum, q[t], xs);
+          sum = L::dot(sum, q[v][t], xs);
 #else
-        if constexpr (kEight)
-          sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(q[t]), _mm256_sign_epi8(xs, q[t])));
-        else if constexpr (kFive)
-          sum = _mm256_add_epi32(sum, dot_u8s8(q[t], xs));
-        else
-          sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[t], xs));
+          if constexpr (kEight)
+            sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(q[v][t]), _mm256_sign_epi8(xs, q[v][t])));
+          else if constexpr (kFive)
+            sum = _mm256_add_epi32(sum, dot_u8s8(q[v][t], xs));
+          else
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[v][t], xs));
 #endif
+        }
       }
-      constexpr bool kInt32Sums = kVnni || kEight || kFive;  // else int16 pairs, widened once here
-      const __m256i sum = kInt32Sums ? _mm256_add_epi32(sums[0], sums[1]) : _mm256_add_epi16(sums[0], sums[1]);
-      const __m256 dot = _mm256_cvtepi32_ps(kInt32Sums ? sum : _mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
-      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i])), acc[m]);
-      if constexpr (!kEight) acc_offset[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sum32[i]), acc_offset[m]);
+      const Float x_scale = splat<Float>(x.scale[i]);
+      for (int v = 0; v < V; ++v) {
+#ifdef KVSERVE_HAS_VNNI
+        const Float dot = L::to_float(L::add32(sums[v][0], sums[v][1]));
+#else
+        constexpr bool kInt32Sums = kEight || kFive;  // else int16 pairs, widened once here
+        const Float dot = _mm256_cvtepi32_ps(
+            kInt32Sums ? _mm256_add_epi32(sums[v][0], sums[v][1])
+                       : _mm256_madd_epi16(_mm256_add_epi16(sums[v][0], sums[v][1]), _mm256_set1_epi16(1)));
+#endif
+        acc[m][v] = lanes_fma(dot, d[v] * x_scale, acc[m][v]);
+        if constexpr (!kEight) acc_offset[m][v] = lanes_fma(offset[v], splat<Float>(x.sum32[i]), acc_offset[m][v]);
+      }
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = _mm256_add_ps(acc[m], acc_offset[m]);
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) out[m * V + v] = acc[m][v] + acc_offset[m][v];
 }
 
-// Q4_K in row groups: per 256-element super-block the eight rows' d and dmin, and their 6-bit sub-block
-// scales and mins unpacked for the eight rows at once (each scale byte of the eight rows widened to a lane
-// per row, then GGML's bit arithmetic, get_scale_min_k4, on the lanes); per 32-element sub-block the
-// 4-bit types' dots (int16 pair sums fit as Q4_0's do) times d * scale, and dmin * min times the sum of x
-// taken off in a chain of its own.
-template <typename Group, int M>
-inline void q4_k_row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+// Q4_K in row groups: per 256-element super-block the rows' d and dmin, and their 6-bit sub-block scales
+// and mins unpacked for all rows at once (each scale byte of the rows widened to a lane per row, then
+// GGML's bit arithmetic, get_scale_min_k4, on the lanes); per 32-element sub-block the 4-bit types' dots
+// (int16 pair sums fit as Q4_0's do) times d * scale, and dmin * min times the sum of x taken off in a
+// chain of its own. One vector of rows (V = 1): the twelve scale vectors fill the registers.
+template <typename Group, int M, typename L, int V>
+inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
+  static_assert(V == 1);
+  using Int = typename L::Int;
+  using Float = typename L::Float;
   const int64_t xblocks = x.k / kXBlock;
-  const __m256i mask = _mm256_set1_epi8(0xF), six_bits = _mm256_set1_epi32(63), four_bits = _mm256_set1_epi32(0xF);
-  __m256 acc[M], acc_offset[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), acc_offset[m] = _mm256_setzero_ps();
+  const Int mask = L::bytes(0xF), six_bits = L::dwords(63), four_bits = L::dwords(0xF);
+  Float acc[M], acc_offset[M];
+  for (int m = 0; m < M; ++m) acc[m] = splat<Float>(0.f), acc_offset[m] = splat<Float>(0.f);
   const uint8_t* p = group;
   for (int64_t super = 0; super < xblocks / 8; ++super, p += Group::kBytes) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-    __m256i scale_bytes[12];  // byte j of each row's 12 scale bytes, lane r
-    for (int j = 0; j < 12; ++j)
-      scale_bytes[j] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 8 * j)));
+    const Float d = L::halves(p, stride), dmin = L::halves(p + 16, stride);
+    Int s[12];  // byte j of each row's 12 scale bytes, lane r
+    for (int j = 0; j < 12; ++j) s[j] = L::byte_lanes(p + 32 + 8 * j, stride);
     for (int sub = 0; sub < 8; ++sub) {
-      const __m256i* s = scale_bytes;
-      const __m256i sc = sub < 4 ? _mm256_and_si256(s[sub], six_bits)
-                                 : _mm256_or_si256(_mm256_and_si256(s[sub + 4], four_bits),
-                                                   _mm256_slli_epi32(_mm256_srli_epi32(s[sub - 4], 6), 4));
-      const __m256i mn = sub < 4 ? _mm256_and_si256(s[sub + 4], six_bits)
-                                 : _mm256_or_si256(_mm256_srli_epi32(s[sub + 4], 4),
-                                                   _mm256_slli_epi32(_mm256_srli_epi32(s[sub], 6), 4));
-      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)),
-                   offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
-      __m256i q[8];  // elements 4t .. 4t+3 of the sub-block, lane r: vectors 8 (sub / 2) + t, low or high nibbles
+      const Int sc = sub < 4 ? s[sub] & six_bits : (s[sub + 4] & four_bits) | L::slli32(L::srli32(s[sub - 4], 6), 4);
+      const Int mn = sub < 4 ? s[sub + 4] & six_bits : L::srli32(s[sub + 4], 4) | L::slli32(L::srli32(s[sub], 6), 4);
+      const Float scale = d * L::to_float(sc), offset = dmin * L::to_float(mn);
+      Int q[8];  // elements 4t .. 4t+3 of the sub-block, lane r: vectors 8 (sub / 2) + t, low or high nibbles
       for (int t = 0; t < 8; ++t) {
-        const __m256i v =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + Group::kQsOffset + 32 * (8 * (sub / 2) + t)));
-        q[t] = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(v, 4) : v, mask);
+        const Int w = L::load(p + Group::kQsOffset + 32 * (8 * (sub / 2) + t), stride);
+        q[t] = (sub % 2 ? L::srli16(w, 4) : w) & mask;
       }
       for (int m = 0; m < M; ++m) {
         const int64_t i = m * xblocks + 8 * super + sub;
         const int8_t* xq = x.q + i * kXBlock;
-        __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // even and odd t, as above
+        Int sums[2] = {L::zero(), L::zero()};  // even and odd t, as above
         for (int t = 0; t < 8; ++t) {
           int32_t four;
           std::memcpy(&four, xq + 4 * t, 4);
 #ifdef KVSERVE_HAS_VNNI
-          sums[t % 2] = dpbusd(sums[t % 2], q[t], _mm256_set1_epi32(four));
+          sums[t % 2] = L::dot(sums[t % 2], q[t], L::dwords(four));
 #else
-          sums[t % 2] = _mm256_add_epi16(sums[t % 2], _mm256_maddubs_epi16(q[t], _mm256_set1_epi32(four)));
+          sums[t % 2] = _mm256_add_epi16(sums[t % 2], _mm256_maddubs_epi16(q[t], L::dwords(four)));
 #endif
         }
-        const __m256i sum = kVnni ? _mm256_add_epi32(sums[0], sums[1])
-                                  : _mm256_madd_epi16(_mm256_add_epi16(sums[0], sums[1]), _mm256_set1_epi16(1));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(x.scale[i])), acc[m]);
-        acc_offset[m] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum32[i]), acc_offset[m]);
+#ifdef KVSERVE_HAS_VNNI
+        const Float dot = L::to_float(L::add32(sums[0], sums[1]));
+#else
+        const Float dot =
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(sums[0], sums[1]), _mm256_set1_epi16(1)));
+#endif
+        acc[m] = lanes_fma(dot, scale * splat<Float>(x.scale[i]), acc[m]);
+        acc_offset[m] = lanes_fma(offset, splat<Float>(-x.sum32[i]), acc_offset[m]);
       }
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = _mm256_add_ps(acc[m], acc_offset[m]);
+  for (int m = 0; m < M; ++m) out[m] = acc[m] + acc_offset[m];
 }
 
-// The M rows of x times group block row `group`, by its type's form.
-template <typename Group, int M>
-inline void group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+// The M rows of x times V vectors of row groups, by the type's form.
+template <typename Group, int M, typename L, int V>
+inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
   if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q4_K>>)
-    q4_k_row_group_rows<Group, M>(group, x, out);
+    q4_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
   else
-    row_group_rows<Group, M>(group, x, out);
+    row_group_rows<Group, M, L, V>(group, stride, x, out);
 }
 
-// Every row of x, kRowChunk at a time over each group; each thread takes whole groups. Gated (W = [gate;
-// up], gate_groups = the groups of each half): y = silu(gate) * up, group g's results beside group
-// gate_groups + g's while both are in registers, as silu_mul (layer_ops.cpp) computes them from float32;
-// else gate_groups = 0 and y = x @ W^T. y has `columns` columns.
+// Every row of x times the L::kGroups * V groups from group g on, kRowChunk rows at a time, stored into y
+// (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's results beside group
+// gate_groups + g's while both are in registers, as silu_mul (layer_ops.cpp) computes them from float32.
+template <typename Group, typename L, int V, typename Out>
+inline void row_group_tile(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, Out* y,
+                           int64_t columns, int64_t g, int64_t gate_groups) {
+  for_row_chunks(rows, [&](int64_t m0, auto chunk) {
+    constexpr int M = decltype(chunk)::value;
+    typename L::Float out[M * V];
+    group_rows<Group, M, L, V>(w + g * group_bytes, group_bytes, x.from_row(m0), out);
+    if (gate_groups > 0) {
+      typename L::Float up[M * V];
+      group_rows<Group, M, L, V>(w + (gate_groups + g) * group_bytes, group_bytes, x.from_row(m0), up);
+      for (int i = 0; i < M * V; ++i) out[i] = silu_times(out[i], up[i]);
+    }
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < V; ++v)
+        lanes_store(y + (m0 + m) * columns + (g + v * L::kGroups) * Group::kRows, out[m * V + v]);
+  });
+}
+
+// Vectors per tile on the widest lanes: two for Q8_0, whose unpacking is a xor, so that each broadcast
+// of x serves 32 rows (benchmarks/RESULTS.md, "Sixteen rows per vector"); one for the types whose
+// unpacked nibbles, offsets and scales fill the registers already.
+template <typename Group>
+constexpr int kWideVectors = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>> ? 2 : 1;
+
+// Every row of x over every group: the widest tiles first, then narrower ones for a thread's last
+// groups; each thread takes whole tiles. The 512-bit vectors load their two groups' halves from two
+// places and join them, which costs more than it saves while each tile meets x in one chunk of rows
+// (its weights read once): below two chunks of rows, 256-bit tiles alone (benchmarks/RESULTS.md, "Sixteen
+// rows per vector"). Gated (W = [gate; up], gate_groups = the groups of each half):
+// y = silu(gate) * up; else gate_groups = 0 and y = x @ W^T. y has `columns` columns.
 template <typename Group, typename Out>
 void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, Out* y, int64_t groups,
                       int64_t gate_groups) {
   const int64_t outputs = gate_groups > 0 ? gate_groups : groups, columns = outputs * Group::kRows;
-  at::parallel_for(0, outputs, 4, [&](int64_t begin, int64_t end) {
+#ifdef KVSERVE_HAS_GROUP_LANES16
+  constexpr int64_t kTile = GroupLanes16::kGroups * kWideVectors<Group>;
+#else
+  constexpr int64_t kTile = 1;
+#endif
+  const bool wide = rows >= 2 * kRowChunk;
+  at::parallel_for(0, (outputs + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
-    for (int64_t g = begin; g < end; ++g)
-      for_row_chunks(rows, [&](int64_t m0, auto chunk) {
-        constexpr int M = decltype(chunk)::value;
-        __m256 out[M];
-        group_rows<Group, M>(w + g * group_bytes, x.from_row(m0), out);
-        if (gate_groups > 0) {
-          __m256 up[M];
-          group_rows<Group, M>(w + (gate_groups + g) * group_bytes, x.from_row(m0), up);
-          for (int m = 0; m < M; ++m) out[m] = silu_times(out[m], up[m]);
-        }
-        for (int m = 0; m < M; ++m) lanes_store(y + (m0 + m) * columns + g * Group::kRows, out[m]);
-      });
+    const auto tile = [&]<typename L, int V>(int64_t g) {
+      row_group_tile<Group, L, V>(w, group_bytes, x, rows, y, columns, g, gate_groups);
+      return g + L::kGroups * V;
+    };
+    for (int64_t g = begin * kTile, last = std::min(end * kTile, outputs); g < last;) {
+#ifdef KVSERVE_HAS_GROUP_LANES16
+      if (wide && g + kTile <= last) {
+        g = tile.template operator()<GroupLanes16, kWideVectors<Group>>(g);
+        continue;
+      }
+      if (wide && g + GroupLanes16::kGroups <= last) {
+        g = tile.template operator()<GroupLanes16, 1>(g);
+        continue;
+      }
+#endif
+      g = tile.template operator()<GroupLanes8, 1>(g);
+    }
   });
 }
 
