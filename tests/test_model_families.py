@@ -207,6 +207,21 @@ def test_the_compiled_decode_step_gives_the_python_loops_tokens(checkpoints, fam
     assert runs[True][0] == runs[False][0]
 
 
+def test_the_compiled_step_refuses_a_q_head_norm_without_its_k_norm(checkpoints, caplog):
+    """decode_layers takes each layer's extras by position (kernels.DECODE_LAYER_EXTRAS, ops.h's order): a
+    q head norm whose k norm is missing is refused by name, never applied with another tensor. The engine
+    fails the step's requests and logs why (engine.py), as for any failed forward pass."""
+    if gemv_kernels() is None:
+        pytest.skip("the compiled CPU kernels do not build here")
+    llm = kvserve_llm(checkpoints["qwen3"][0], dtype="bfloat16", enable_prefix_caching=False)
+    step = llm.engine.model.compiled_decode
+    k_norm = step.kernels.DECODE_LAYER_EXTRAS.index("k_norm")
+    assert step.extras[0][k_norm].numel() > 0
+    step.extras[0][k_norm] = torch.empty(0)
+    llm.generate([PROMPTS[0]], GREEDY)
+    assert "layer 0 has a q head norm but no k head norm" in caplog.text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA with triton the backend is given")
 def test_triton_takes_windowed_models_where_it_runs():
     """Its kernels compute windows (tests/test_attention_triton.py): only the missing GPU is named here."""

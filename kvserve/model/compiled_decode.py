@@ -36,10 +36,6 @@ def projection_weights(layer: LayerWeights) -> tuple[Weight, ...]:
     return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
-# decode_layers' extras per layer, in its order (kernels/cpu/ops.h); LlamaModel.layer_extras' names.
-EXTRA_NAMES = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
-
-
 def product_of(linear: LinearFn) -> LinearFn:
     """The product decode_layers runs for a layer's linear: a gelu-gated up projection's own product
     (decode_layers gates it after), any other linear itself."""
@@ -75,7 +71,8 @@ class CompiledDecodeStep:
         self.tiles = tiles if all(t is not None for layer in tiles for t in layer) else None
         none, has_extras = torch.empty(0), any(model.layer_extras)  # decode_layers' "none": no elements
         self.extras = [
-            [extras.get(name, none) for name in EXTRA_NAMES] if has_extras else [] for extras in model.layer_extras
+            [extras.get(name, none) for name in kernels.DECODE_LAYER_EXTRAS] if has_extras else []
+            for extras in model.layer_extras
         ]
         self.rope = [table for pair in model.layer_rope for table in pair]
         self.windows = [window or 0 for window in model.layer_windows]  # decode_layers' 0: no window

@@ -24,6 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode_attention runs these q/cache on AVX512-BF16 where AMX does not apply");
   m.def("gemv_bf16", &gemv_bf16, "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;
+  py::tuple extras(kDecodeLayerExtraNames.size());
+  for (size_t i = 0; i < kDecodeLayerExtraNames.size(); ++i) extras[i] = kDecodeLayerExtraNames[i];
+  m.attr("DECODE_LAYER_EXTRAS") = extras;
   m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
   m.def("linear_tiles_fma", &linear_tiles_fma, "linear_amx's product on float32 FMAs (AVX-512 or AVX2), same packed W",

@@ -96,7 +96,11 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> weights, std::vec
   for (int64_t i = 0; i < num_layers; ++i) {
     at::Tensor qkv = product(x, i, 0);
     if (const auto bias = extra(i, kQkvBias)) qkv.add_(*bias);
-    if (const auto q_norm = extra(i, kQNorm)) head_rms_norm(qkv, hq, hkv, *q_norm, *extra(i, kKNorm), eps);
+    if (const auto q_norm = extra(i, kQNorm)) {
+      const auto k_norm = extra(i, kKNorm);
+      TORCH_CHECK(k_norm.has_value(), "layer ", i, " has a q head norm but no k head norm");
+      head_rms_norm(qkv, hq, hkv, *q_norm, *k_norm, eps);
+    }
     const at::Tensor layer_cache = kv_cache.select(0, i);
     const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
     rope_write_kv(qkv, positions, rope[2 * i], rope[2 * i + 1], k_cache, v_cache, slots, hq, hkv);

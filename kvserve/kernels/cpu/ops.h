@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <vector>
 
 namespace kvserve {
@@ -72,13 +73,17 @@ at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool dec
 // `block_types`: none (every projection a bf16 matrix), or per part its GGML block type (or its row-group
 // type), the part's tensor then its blocks (quant_product multiplies them).
 // `extras`: none, or per layer its qkv bias (model dtype), q and k head norms, norms after attention and
-// after the MLP (float32), in that order (the k* indices below), each an empty tensor where the model has
-// none. `rope`: per layer its cos and sin tables (float32 [max_len, D]). `gelu_tanh`: the MLP gates with
-// gelu (tanh approximation), not silu.
-// The activations are in the KV cache's dtype. `windows`: per layer its sliding window in keys, 0 for none.
-// `decode_step`: quant_product's, whether every row follows generated tokens (a short prefill runs here too).
-constexpr int64_t kProjectionsPerLayer = 4, kExtrasPerLayer = 5;
-constexpr int64_t kQkvBias = 0, kQNorm = 1, kKNorm = 2, kPostAttnNorm = 3, kPostMlpNorm = 4;
+// after the MLP (float32), in DecodeLayerExtra's order, each an empty tensor where the model has none (a
+// layer with a q norm has a k norm too). `rope`: per layer its cos and sin tables (float32 [max_len, D]). `gelu_tanh`:
+// the MLP gates with gelu (tanh approximation), not silu. The activations are in the KV cache's dtype. `windows`: per
+// layer its sliding window in keys, 0 for none. `decode_step`: quant_product's, whether every row follows generated
+// tokens (a short prefill runs here too).
+constexpr int64_t kProjectionsPerLayer = 4;
+// The extras of a layer, in decode_layers' order; bindings.cpp gives Python their names in the same order
+// (DECODE_LAYER_EXTRAS: LlamaModel.layer_extras' keys), so the order is stated here alone.
+enum DecodeLayerExtra : int64_t { kQkvBias, kQNorm, kKNorm, kPostAttnNorm, kPostMlpNorm, kExtrasPerLayer };
+constexpr std::array<const char*, kExtrasPerLayer> kDecodeLayerExtraNames = {"qkv_bias", "q_norm", "k_norm",
+                                                                             "post_attn_norm", "post_mlp_norm"};
 at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> weights, std::vector<int64_t> parts,
                          std::vector<at::Tensor> norms, std::vector<at::Tensor> tiles, std::vector<int64_t> block_types,
                          std::vector<at::Tensor> extras, at::Tensor final_norm, double eps, at::Tensor positions,
