@@ -9,9 +9,10 @@ DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none")
 # What `kvserve serve` (every CLI command) keeps in blocks unless told: on the bundled Q4_1 SmolLM2 it
 # serves batch 1 in about half bf16's time and Poisson arrivals with lower latencies, with a third of the
-# weight bytes; all at once within a few percent of bf16 on AVX2, 0.67x bf16 on an AMX Xeon, where dense
-# bf16 batches run on AMX tiles (benchmarks/RESULTS.md, "Default quantization" and "Quantized batches on
-# native bf16"); `--quantization none` serves the batched peak.
+# weight bytes. All at once it is faster than bf16 on AVX-512 with VNNI and no AMX, within a few percent
+# on AVX2, slower on an AMX Xeon, where dense bf16 batches run on AMX tiles (benchmarks/RESULTS.md,
+# "Sixteen rows per vector", "Default quantization", "Quantized batches on native bf16"); there
+# `--quantization none` serves the batched peak.
 CLI_QUANTIZATION = "auto"
 # The attention backends by name (kernels/backends.py); "auto" picks one for the device.
 BACKEND_NAMES = ("auto_cpu", "cpu", "tiled", "reference", "sdpa", "triton")
