@@ -74,10 +74,11 @@ at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool dec
 // type), the part's tensor then its blocks (quant_product multiplies them).
 // `extras`: none, or per layer its qkv bias (model dtype), q and k head norms, norms after attention and
 // after the MLP (float32), in DecodeLayerExtra's order, each an empty tensor where the model has none (a
-// layer with a q norm has a k norm too). `rope`: per layer its cos and sin tables (float32 [max_len, D]). `gelu_tanh`:
-// the MLP gates with gelu (tanh approximation), not silu. The activations are in the KV cache's dtype. `windows`: per
-// layer its sliding window in keys, 0 for none. `decode_step`: quant_product's, whether every row follows generated
-// tokens (a short prefill runs here too).
+// layer with a q norm has a k norm too).
+// `rope`: per layer its cos and sin tables (float32 [max_len, D]). `gelu_tanh`: the MLP gates with gelu
+// (tanh approximation), not silu.
+// The activations are in the KV cache's dtype. `windows`: per layer its sliding window in keys, 0 for none.
+// `decode_step`: quant_product's, whether every row follows generated tokens (a short prefill runs here too).
 constexpr int64_t kProjectionsPerLayer = 4;
 // The extras of a layer, in decode_layers' order; bindings.cpp gives Python their names in the same order
 // (DECODE_LAYER_EXTRAS: LlamaModel.layer_extras' keys), so the order is stated here alone.

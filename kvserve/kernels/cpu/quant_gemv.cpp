@@ -359,6 +359,7 @@ inline typename L::Int fifth_bits(typename L::Int qh, int v) {
   const auto spread = L::shuffle8(qh, L::add8(dword_bytes, L::bytes(static_cast<int8_t>(v / 2))));
   return L::where_any_bit(spread, L::dwords(0x08040201 << (4 * (v % 2))), L::bytes(0x10));  // byte t: bit 4(v % 2) + t
 }
+
 // The M rows of x times V vectors of row groups from group block row `group` on (L::kGroups * V groups,
 // `stride` bytes apart; all their blocks): out[m * V + v], vector v's results for row m.
 template <typename Group, int M, typename L, int V>
@@ -546,10 +547,10 @@ void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& 
   const int64_t outputs = gate_groups > 0 ? gate_groups : groups, columns = outputs * Group::kRows;
 #ifdef KVSERVE_HAS_GROUP_LANES16
   constexpr int64_t kTile = GroupLanes16::kGroups * kWideVectors<Group>;
+  const bool wide = rows >= 2 * kRowChunk;
 #else
   constexpr int64_t kTile = 1;
 #endif
-  const bool wide = rows >= 2 * kRowChunk;
   at::parallel_for(0, (outputs + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
     const auto tile = [&]<typename L, int V>(int64_t g) {
