@@ -89,6 +89,7 @@ class Speculator:
         self.planner = SpeculationPlanner(self.max_k, bool(config.get("adaptive", True)), draft is not None)
         self.stats = SpecStats(proposed_at=[0] * self.max_k, accepted_at=[0] * self.max_k)
         self._proposals: dict[int, Proposal] = {}  # seq_id -> this step's drafts
+        self._asked: dict[int, int] = {}  # seq_id -> drafts the plan asked for this step
         self._target_started: float | None = None
         self._verifies = False  # whether the step being timed verifies drafts
         self._probes = 0
@@ -97,6 +98,7 @@ class Speculator:
     def plan(self, running: list[Sequence]) -> None:
         """Choose k for this step and give the chosen decoding sequences their drafts or draft slots."""
         self._proposals = {}
+        self._asked = {}
         decoding: list[Sequence] = []
         prefill_tokens = 0
         for seq in running:
@@ -118,13 +120,14 @@ class Speculator:
             self._probes += 1
             self.stats.probe_steps += 1
         ks = [min(plan.k, _room(seq)) for seq in decoding]
+        self._asked = {seq.seq_id: k for seq, k in zip(decoding, ks, strict=True)}
         if self.draft_model is not None:
             for seq, k in zip(decoding, ks, strict=True):
                 seq.spec_tokens = [_DRAFT_SLOT] * k
             return
         for seq, proposal in zip(decoding, self._propose(decoding, ks), strict=True):
             seq.spec_tokens = list(proposal.tokens)
-            self._proposals[seq.seq_id] = proposal
+            self._keep(seq, proposal)
 
     # ---- after scheduling, around the target pass ----
     def draft(self, sched: SchedulerOutput) -> None:
@@ -138,7 +141,7 @@ class Speculator:
                 for item, proposal in zip(items, drafted, strict=True):
                     item.seq.spec_tokens = list(proposal.tokens)
                     item.num_new_tokens = item.num_logits = 1 + len(proposal.tokens)
-                    self._proposals[item.seq.seq_id] = proposal
+                    self._keep(item.seq, proposal)
         self._verifies = any(item.seq.spec_tokens for item in sched.scheduled)
         self._target_started = time.perf_counter()
 
@@ -150,6 +153,14 @@ class Speculator:
             self._target_started = None
         if self.draft_model is not None:
             self.draft_model.observe(spans)
+
+    def _keep(self, seq: Sequence, proposal: Proposal) -> None:
+        """Hold a sequence's drafts until its verification; one with none is never verified, so the
+        planner hears now that none of the drafts asked for came."""
+        if proposal.tokens:
+            self._proposals[seq.seq_id] = proposal
+        else:
+            self.planner.observe_verification(self._asked[seq.seq_id], 0, 0)
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """Drafts from the proposer, timed for the planner."""
@@ -173,6 +184,8 @@ class Speculator:
         """
         k = target_logits.shape[0] - 1
         draft = self._proposals.pop(seq.seq_id)
+        # Drafts the scheduler cut were not the proposer's to give: ask for no more than were fed.
+        asked = k if k < len(draft.tokens) else self._asked[seq.seq_id]
         draft = Proposal(draft.tokens[:k], draft.probs[:k] if draft.probs is not None else None)
         if seq.matcher is not None:
             # Row i is masked by the grammar after drafts[:i]: a draft the grammar forbids has target
@@ -192,7 +205,7 @@ class Speculator:
         for position in range(len(draft.tokens)):
             stats.proposed_at[position] += 1
             stats.accepted_at[position] += int(position < accepted)
-        self.planner.observe_verification(len(draft.tokens), accepted)
+        self.planner.observe_verification(asked, len(draft.tokens), accepted)
         return emitted
 
 
