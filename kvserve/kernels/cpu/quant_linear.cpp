@@ -248,7 +248,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
 // (benchmarks/RESULTS.md, "int8 decode batches"): row groups cross at 64-128 rows, GGML's at 8-16; whole
 // decode steps of 100 rows ran 15-20 % faster on the GEMV (RESULTS.md, "Decode attention on
 // AVX512-BF16"), hence 128 without AMX. With AMX, whose tiles make the panel product's own products
-// cheaper, the limit stays at 64, not measured again.
+// cheaper, the panel wins single products from 24-32 rows on, yet whole decode steps of 32-64 rows ran
+// alike with the limit at 24 (RESULTS.md, "The int8 GEMV's limit with AMX"), hence 64 kept.
 int64_t int8_max_rows(int64_t type) {
   const int64_t grouped_rows = amx_permitted() ? 64 : 128;
   return quant::visit_kernel_type(type, [=](auto block) -> int64_t {
