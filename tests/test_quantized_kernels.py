@@ -333,7 +333,7 @@ def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(ke
     grouped = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k)).interleaved()
     x = torch.from_numpy(gen.standard_normal((1, k)).astype(np.float32))
     int8_rows = kernels.int8_max_rows(grouped.kernel_type)
-    grouped_rows = 64 if kernels.amx_available() else 128  # row groups: fewer where AMX makes panels cheap
+    grouped_rows = 16 if kernels.amx_available() else 128  # row groups: fewer where AMX makes panels cheap
     assert int8_rows == (grouped_rows if qtype in ROW_GROUP_TYPES else 8)  # row groups, GGML's layout
     most = int8_rows if decode_step else kernels.GEMV_MAX_ROWS
     for rows in sorted({1, 2, 3, most - 1, most, most + 1, most + 7}):

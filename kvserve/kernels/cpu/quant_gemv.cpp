@@ -16,8 +16,8 @@
 // 256-bit vectors on every path; where the build has VNNI (AVX512-VNNI, AVX-VNNI) the integer dots take
 // one dpbusd in place of maddubs + madd (benchmarks/RESULTS.md, "VNNI in the quantized GEMV").
 #include "common.h"
+#include "group_lanes.h"
 #include "ops.h"
-#include "quant_row_groups.h"
 
 namespace kvserve {
 
@@ -109,23 +109,6 @@ Activations quantize_int8(const T* x, int64_t rows, int64_t k) {
   }
   return a;
 }
-
-// VNNI (AVX512-VNNI with VL, or AVX-VNNI) sums four u8 x s8 products straight into an int32 lane in one
-// instruction; without it maddubs sums pairs into int16 and madd pairs of those into int32. The results
-// are equal wherever no int16 pair sum saturates, which every caller below ensures.
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define KVSERVE_HAS_VNNI 1
-constexpr bool kVnni = true;
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#endif
-}
-#else
-constexpr bool kVnni = false;
-#endif
 
 // Eight int32 sums of pairs of pairs of u8 x s8 products: sum over 32 bytes, spread over 8 lanes.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -264,78 +247,6 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
   });
 }
 
-// Row-group vectors (quant_row_groups.h), by width: GroupLanes8 holds one group's eight rows in a
-// 256-bit vector, a 32-bit lane per row; GroupLanes16, on AVX-512 with VNNI, two neighbouring groups in a
-// 512-bit vector, one per 256-bit half, so each broadcast of x, each dot instruction and each scaling
-// serves sixteen rows. A vector's groups lie `stride` bytes apart (the matrix's bytes per group). The
-// kernels below are written once over these operations. Without VNNI only the 256-bit form exists.
-struct GroupLanes8 {
-  using Int = __m256i;
-  using Float = __m256;
-  static constexpr int64_t kGroups = 1;
-  static Int load(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static Float halves(const uint8_t* p, int64_t) {  // a field of f16 per row
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static Int byte_lanes(const uint8_t* p, int64_t) {  // a field of one byte per row, widened to its lane
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  }
-  static Int bytes(int8_t v) { return _mm256_set1_epi8(v); }
-  static Int dwords(int32_t v) { return _mm256_set1_epi32(v); }
-  static Int zero() { return _mm256_setzero_si256(); }
-  static Int each_128(__m128i v) { return _mm256_broadcastsi128_si256(v); }  // v in every 128-bit lane
-  static Int srli16(Int v, int n) { return _mm256_srli_epi16(v, n); }
-  static Int srli32(Int v, int n) { return _mm256_srli_epi32(v, n); }
-  static Int slli32(Int v, int n) { return _mm256_slli_epi32(v, n); }
-  static Int add32(Int a, Int b) { return _mm256_add_epi32(a, b); }
-  static Int add8(Int a, Int b) { return _mm256_add_epi8(a, b); }
-  static Int shuffle8(Int v, Int index) { return _mm256_shuffle_epi8(v, index); }  // within each 128-bit lane
-  static Int where_any_bit(Int v, Int bits, Int value) {  // per byte: value where v & bits is not 0, else 0
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_or_si256(v, _mm256_xor_si256(bits, bytes(-1))), bytes(-1)), value);
-  }
-  static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
-#ifdef KVSERVE_HAS_VNNI
-  static Int dot(Int acc, Int u, Int s) { return dpbusd(acc, u, s); }
-#endif
-};
-
-#if defined(KVSERVE_HAS_VNNI) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define KVSERVE_HAS_GROUP_LANES16 1
-struct GroupLanes16 {
-  using Int = __m512i;
-  using Float = __m512;
-  static constexpr int64_t kGroups = 2;
-  static Int load(const uint8_t* p, int64_t stride) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(GroupLanes8::load(p, 0)), GroupLanes8::load(p + stride, 0), 1);
-  }
-  static Float halves(const uint8_t* p, int64_t stride) {
-    const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride));
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1));
-  }
-  static Int byte_lanes(const uint8_t* p, int64_t stride) {
-    const __m128i low = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    const __m128i high = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride));
-    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high));
-  }
-  static Int bytes(int8_t v) { return _mm512_set1_epi8(v); }
-  static Int dwords(int32_t v) { return _mm512_set1_epi32(v); }
-  static Int zero() { return _mm512_setzero_si512(); }
-  static Int each_128(__m128i v) { return _mm512_broadcast_i32x4(v); }
-  static Int srli16(Int v, int n) { return _mm512_srli_epi16(v, n); }
-  static Int srli32(Int v, int n) { return _mm512_srli_epi32(v, n); }
-  static Int slli32(Int v, int n) { return _mm512_slli_epi32(v, n); }
-  static Int add32(Int a, Int b) { return _mm512_add_epi32(a, b); }
-  static Int add8(Int a, Int b) { return _mm512_add_epi8(a, b); }
-  static Int shuffle8(Int v, Int index) { return _mm512_shuffle_epi8(v, index); }
-  static Int where_any_bit(Int v, Int bits, Int value) {
-    return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(v, bits), value);
-  }
-  static Float to_float(Int v) { return _mm512_cvtepi32_ps(v); }
-  static Int dot(Int acc, Int u, Int s) { return _mm512_dpbusd_epi32(acc, u, s); }
-};
-#endif
-
 // The same product over row groups: each 32-bit lane is one row, so the scales of a vector's rows load
 // as one vector and every product, sum and scaling serves all of them at once; a vector's results are
 // adjacent outputs, stored as one vector. Per x block:
@@ -350,16 +261,6 @@ struct GroupLanes16 {
 //   Without VNNI, maddubs takes |w| against x with w's sign (as the GGML layout's Q8_0), each pair sum at
 //   most 2 * 128 * 127 = 32,512, widened to int32 per vector since two would overflow int16.
 //
-// Q5_0's fifth bits of a row group's q vector v (elements 4v .. 4v+3 of each row, lane r: bits 4v .. 4v+3
-// of row r's qh, in its byte v / 2) at bit 4 of each byte, from qh (dword r: row r's 32 bits): each byte
-// takes its row's qh byte, then keeps 0x10 where its own bit is set.
-template <typename L>
-inline typename L::Int fifth_bits(typename L::Int qh, int v) {
-  const auto dword_bytes = L::each_128(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C));  // byte 0 of each dword
-  const auto spread = L::shuffle8(qh, L::add8(dword_bytes, L::bytes(static_cast<int8_t>(v / 2))));
-  return L::where_any_bit(spread, L::dwords(0x08040201 << (4 * (v % 2))), L::bytes(0x10));  // byte t: bit 4(v % 2) + t
-}
-
 // The M rows of x times V vectors of row groups from group block row `group` on (L::kGroups * V groups,
 // `stride` bytes apart; all their blocks): out[m * V + v], vector v's results for row m.
 template <typename Group, int M, typename L, int V>

@@ -5,10 +5,12 @@
 // own (kPanelRows x K floats, sized to stay in L2), exactly as gguf.quants.dequantize would, then
 // multiplies every row of x with it. So the weights are read once per call at their quantized size and
 // the products see the same float32 values as dequantize-then-matmul: the results differ from that
-// reference only in the order of the float32 sums. bf16 x takes one of three products:
-// - with AMX, or with AVX512-BF16 where FMA products are off (set_fma_products): the panel is dequantized
-//   into bf16 and multiplied on those instructions (quant_linear_bf16.cpp), so the results are the dense
-//   bf16 engine's, up to the order of the sums;
+// reference only in the order of the float32 sums. bf16 x takes one of four products:
+// - with AMX: each panel of 32 weight rows is packed straight into B tiles (quant_pack_tiles.h) and
+//   multiplied on amx_product.h's product, the dense bf16 weights' own (linear_amx), gated included, so
+//   the results are the dense bf16 engine's, up to the order of the sums;
+// - with AVX512-BF16 where FMA products are off (set_fma_products): the panel is dequantized into bf16
+//   and multiplied on VDPBF16PS (quant_linear_bf16.cpp), so the results are again the dense bf16 engine's;
 // - on AVX-512 without AMX where FMA products are on (the process's probe found them faster:
 //   kvserve/model/linear.py): x is packed once per call in pack_tiles' layout and each panel multiplies
 //   it in register blocks of tiles_fma.h (panel rows as the broadcast operand, rows of x as the packed
@@ -24,9 +26,10 @@
 // 12 accumulators + 3 x + 1 tile vector fill AVX2's 16 registers.
 #include <atomic>
 
-#include "amx.h"
+#include "amx_product.h"
 #include "ops.h"
 #include "quant_linear_bf16.h"
+#include "quant_pack_tiles.h"
 #include "quant_row_groups.h"
 #include "tiles_fma.h"
 
@@ -193,6 +196,28 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
     const int64_t row_bytes = blocks.size(1);
     // Where a form returns the product, silu_mul follows it if gated.
     const auto gate = [gated](const at::Tensor& y) { return gated ? silu_mul(y) : y; };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (x.scalar_type() == at::kBFloat16 && amx_permitted()) {
+      using amx_product::kCols;
+      const bool fused = gated && (n / 2) % kCols == 0;  // each half whole tiles
+      const auto pack = [=](int64_t n0, int64_t rows, uint16_t* tiles, uint16_t* rows_scratch) {
+        if (rows > 0)
+          quant::pack_rows_into_tiles<Block>(w, row_bytes, n0, rows, k, tiles, rows_scratch);
+        else
+          std::memset(tiles, 0, k * kCols * sizeof(uint16_t));
+      };
+      // A pair's tiles: weight rows 32p .. 32p+31 (those up to n), or gated 16 gate rows and their up rows.
+      const at::Tensor y = amx_product::linear(x.contiguous(), n, fused, [=](int64_t pair, uint16_t* scratch) {
+        uint16_t* second = scratch + k * kCols;
+        uint16_t* rows_scratch = second + k * kCols;
+        const int64_t n0 = fused ? pair * kCols : 2 * pair * kCols, n1 = fused ? n / 2 + n0 : n0 + kCols;
+        pack(n0, std::clamp<int64_t>(n - n0, 0, kCols), scratch, rows_scratch);
+        pack(n1, std::clamp<int64_t>(n - n1, 0, kCols), second, rows_scratch);
+        return static_cast<const uint16_t*>(scratch);
+      });
+      return fused || !gated ? y : silu_mul(y);
+    }
+#endif
 #if defined(__AVX512F__)
     if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && fma_products.load()) {
 #if defined(__AVX512BF16__)
@@ -248,10 +273,11 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
 // (benchmarks/RESULTS.md, "int8 decode batches"): row groups cross at 64-128 rows, GGML's at 8-16; whole
 // decode steps of 100 rows ran 15-20 % faster on the GEMV (RESULTS.md, "Decode attention on
 // AVX512-BF16"), hence 128 without AMX. With AMX, whose tiles make the panel product's own products
-// cheaper, the panel wins single products from 24-32 rows on, yet whole decode steps of 32-64 rows ran
-// alike with the limit at 24 (RESULTS.md, "The int8 GEMV's limit with AMX"), hence 64 kept.
+// cheap and whose panels are packed straight from the row groups, the two cross at about 16 rows, and
+// decode steps of 32-64 rows ran 1.3-1.5x faster on the panels (RESULTS.md, "Quantized panels packed
+// into AMX tiles"), hence 16.
 int64_t int8_max_rows(int64_t type) {
-  const int64_t grouped_rows = amx_permitted() ? 64 : 128;
+  const int64_t grouped_rows = amx_permitted() ? 16 : 128;
   return quant::visit_kernel_type(type, [=](auto block) -> int64_t {
     return quant::rows_per_stored_row<decltype(block)>() > 1 ? grouped_rows : 8;
   });

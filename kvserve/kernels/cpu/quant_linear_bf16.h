@@ -15,8 +15,9 @@ constexpr int64_t kPanelRows = 32;
 // Writes weight rows n0 .. n0 + rows - 1 (rows <= kPanelRows) into panel as bf16 bits, row r at panel + r * k.
 using DequantizeRows = std::function<void(int64_t n0, int64_t rows, uint16_t* panel)>;
 
-// Whether this build multiplies bf16 natively: AMX tiles, or AVX512-BF16 dot products. A compile-time
-// constant, so callers on other paths never instantiate the bf16 panel's dequantization.
+// Whether this build multiplies bf16 natively on AVX512-BF16 dot products (with AMX, where the tiles are
+// permitted, quant_linear takes amx_product.h instead). A compile-time constant, so callers on other
+// paths never instantiate the bf16 panel's dequantization.
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
 #else
