@@ -375,10 +375,10 @@ def test_gated_products_are_silu_mul_of_the_product(kernels, qtype: GGMLQuantiza
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
 def test_long_chunks_match_dequantize_then_matmul(kernels, fma_products, qtype: GGMLQuantizationType) -> None:
-    """bf16 rows at and past 512 (a long prefill chunk): on AVX512-BF16 without AMX with FMA products on, 512
-    rows take the packed-x panels (gated inside them) and more W dequantized whole into bf16 for the dense
-    engine's product (quant_linear.cpp); elsewhere the panels of the other forms. One reference for all,
-    gated or not."""
+    """bf16 rows at and past 512 (a long prefill chunk): with AMX, or on AVX512-BF16 without AMX with FMA
+    products on, 512 rows take the panels (AMX tiles or packed x, gated inside them) and more W dequantized
+    whole into bf16 for the dense engine's product (quant_linear.cpp); elsewhere the panels of the other
+    forms. One reference for all, gated or not."""
     gen = np.random.default_rng(80)
     n, k = 64, 256
     ggml = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k))

@@ -103,12 +103,14 @@ void pack_x_pairs(const uint16_t* x, int64_t rows, int64_t padded, int64_t k, ui
   });
 }
 
-// Long prefill chunks (more than kLongChunkRows rows) on AVX512-BF16 without AMX: W dequantized whole into
-// bf16, then the product the dense bf16 engine runs on such chunks (oneDNN's: kvserve/model/linear.py
-// keeps long chunks there unless its probe finds the FMA tiles faster). The panels below read every 32
-// rows of x again for each panel, and lost to it by 5-15 % at 2,048 rows (benchmarks/RESULTS.md, "Q8_0
-// row groups"); the copy, one matrix at a time, costs a small part of the product (its weights are read
-// once more).
+// Long prefill chunks (more than kLongChunkRows rows) of bf16 x on AMX, or on AVX512-BF16 without AMX
+// where the FMA products are on: W dequantized whole into bf16, then the product the dense bf16 engine
+// runs on such chunks (oneDNN's: kvserve/model/linear.py keeps long chunks there, past AMX_MAX_ROWS, unless
+// its probe finds the FMA tiles faster). The panels read all of x again for each pair of tiles (AMX) or
+// each panel, which costs little up to 512 rows and lost to oneDNN at 2,048 rows: by 5-15 % on the FMA
+// tiles (benchmarks/RESULTS.md, "Q8_0 row groups"), by 1.2-2.1x on the AMX tiles (RESULTS.md, "Quantized
+// panels packed into AMX tiles"). The copy, one matrix at a time, costs a small part of the product (its
+// weights are read once more).
 constexpr int64_t kLongChunkRows = 512;
 
 #if defined(__AVX512BF16__)
@@ -196,6 +198,10 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
     const int64_t row_bytes = blocks.size(1);
     // Where a form returns the product, silu_mul follows it if gated.
     const auto gate = [gated](const at::Tensor& y) { return gated ? silu_mul(y) : y; };
+#if defined(__AVX512BF16__)
+    if (x.scalar_type() == at::kBFloat16 && rows > kLongChunkRows && (amx_permitted() || fma_products.load()))
+      return gate(at::linear(x, dequantized_bf16<Block>(w, row_bytes, n, k)));
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (x.scalar_type() == at::kBFloat16 && amx_permitted()) {
       using amx_product::kCols;
@@ -220,9 +226,6 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
 #endif
 #if defined(__AVX512F__)
     if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && fma_products.load()) {
-#if defined(__AVX512BF16__)
-      if (rows > kLongChunkRows) return gate(at::linear(x, dequantized_bf16<Block>(w, row_bytes, n, k)));
-#endif
       const bool fused = gated && (n / 2) % kStoredRows == 0;  // each half whole row groups
       const at::Tensor y = packed_x_times_panels<Block>(x, w, row_bytes, n, k, fused);
       return fused ? y : gate(y);
