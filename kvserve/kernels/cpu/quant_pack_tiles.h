@@ -86,8 +86,10 @@ void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0
       __m512 f[4];
       for (int c = 0; c < 4; ++c) {
         const __m128i chunk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 16 * c));
-        f[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(chunk)), row_d[c]);
-        if constexpr (kMin) f[c] = _mm512_add_ps(f[c], row_m[c]);
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(chunk));
+        // Q4_1's d * q + m in one fused step: d (an f16) times q (4 bits) is exact in float32, so rounding
+        // once after the sum gives the reference's two roundings' value, bit for bit.
+        f[c] = kMin ? _mm512_fmadd_ps(q, row_d[c], row_m[c]) : _mm512_mul_ps(q, row_d[c]);
       }
       const __m512i low = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), high = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
       _mm512_storeu_si512(tile + 2 * t * 32, _mm512_permutex2var_epi32(low, even, high));
