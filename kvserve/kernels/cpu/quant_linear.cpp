@@ -206,9 +206,9 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
     if (x.scalar_type() == at::kBFloat16 && amx_permitted()) {
       using amx_product::kCols;
       const bool fused = gated && (n / 2) % kCols == 0;  // each half whole tiles
-      const auto pack = [=](int64_t n0, int64_t rows, uint16_t* tiles, uint16_t* rows_scratch) {
-        if (rows > 0)
-          quant::pack_rows_into_tiles<Block>(w, row_bytes, n0, rows, k, tiles, rows_scratch);
+      const auto pack = [=](int64_t n0, int64_t count, uint16_t* tiles, uint16_t* rows_scratch) {
+        if (count > 0)
+          quant::pack_rows_into_tiles<Block>(w, row_bytes, n0, count, k, tiles, rows_scratch);
         else
           std::memset(tiles, 0, k * kCols * sizeof(uint16_t));
       };
