@@ -12,13 +12,14 @@
 //   (dequantize_rows_into), then each 16-row x 32-k slice transposed as 16 x 16 dwords.
 #pragma once
 
+#include "amx_product.h"
 #include "group_lanes.h"
 #include "quant_row_groups.h"
 
 #if defined(__AVX512BF16__)
 namespace kvserve::quant {
 
-constexpr int64_t kTileRows = 16, kTileDepth = 32, kTileElems = kTileRows * kTileDepth;
+using amx_product::kDepth, amx_product::kTileElems;
 
 // 16 rows of 16 dwords (row n at rows + n * stride dwords; rows past `valid` read as zeros) transposed
 // into out: dword 16p + n = row n's dword p. Three stages: 4 x 4 dword transposes within 128-bit lanes
@@ -71,7 +72,7 @@ void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0
   // Dword n of a tile row: row n's pair, from the low 32 bf16 (rows 0-7, a qword each) or the high.
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t s = 0; s < k / kTileDepth; ++s) {
+  for (int64_t s = 0; s < k / kDepth; ++s) {
     const uint8_t* p = group + s * Group::kBytes;
     uint16_t* tile = tiles + s * kTileElems;
     const __m512 d = _mm512_maskz_mov_ps(valid, L::halves(p, second));
@@ -134,8 +135,8 @@ void pack_rows_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0, 
   }
 #endif
   dequantize_rows_into<Block>(blocks, row_bytes, n0, rows, k, rows_scratch);
-  for (int64_t s = 0; s < k / kTileDepth; ++s)
-    transpose_16x16_dwords(reinterpret_cast<const uint32_t*>(rows_scratch + s * kTileDepth), k / 2, rows,
+  for (int64_t s = 0; s < k / kDepth; ++s)
+    transpose_16x16_dwords(reinterpret_cast<const uint32_t*>(rows_scratch + s * kDepth), k / 2, rows,
                            reinterpret_cast<uint32_t*>(tiles + s * kTileElems));
 }
 
