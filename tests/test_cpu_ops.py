@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -330,20 +332,35 @@ def test_gemv_refuses_what_it_cannot_compute(kernels) -> None:
 
 
 needs_amx = pytest.mark.skipif(cpu.load() is None or not cpu.load().amx_available(), reason="linear_amx needs AMX-BF16")
-# The kernels over pack_tiles' layout: linear_amx where the CPU has AMX, linear_tiles_fma on every AVX2 build.
+needs_tiles_fma = pytest.mark.skipif(
+    cpu.choice().isa.isa.name == "generic", reason="linear_tiles_fma needs AVX2 and FMA"
+)
+needs_bf16_pairs = pytest.mark.skipif(
+    cpu.load() is None or not cpu.load().TILES_HAVE_BF16_PAIRS, reason="the tiles' VDPBF16PS form needs AVX512-BF16"
+)
+# The kernels over pack_tiles' layout: linear_amx where the CPU has AMX, linear_tiles_fma on every AVX2 build in
+# its float32 form and, with AVX512-BF16, in its VDPBF16PS form (set_tile_products).
 TILE_KERNELS = [
     pytest.param("linear_amx", marks=needs_amx),
-    pytest.param(
-        "linear_tiles_fma",
-        marks=pytest.mark.skipif(cpu.choice().isa.isa.name == "generic", reason="linear_tiles_fma needs AVX2 and FMA"),
-    ),
+    pytest.param("linear_tiles_fma", marks=needs_tiles_fma),
+    pytest.param("linear_tiles_fma on VDPBF16PS", marks=needs_bf16_pairs),
 ]
+
+
+@pytest.fixture
+def tile_product(kernels, tile_kernel):
+    """The kernel `tile_kernel` names, its form set for the test; the process's settings restored after."""
+    previous = kernels.tile_products()
+    name, _, form = tile_kernel.partition(" on ")
+    kernels.set_tile_products(previous[0], previous[1], form == "VDPBF16PS")
+    yield getattr(kernels, name)
+    kernels.set_tile_products(*previous)
 
 
 @pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
 @pytest.mark.parametrize("rows", [3, 5, 12, 13, 16, 17, 32, 33, 100, 256])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (64, 32)])
-def test_tile_kernels_match_a_float32_product(kernels, tile_kernel, rows, out_features, in_features) -> None:
+def test_tile_kernels_match_a_float32_product(tile_product, rows, out_features, in_features) -> None:
     """Row counts around linear_amx's 16-row tiles and 32-row blocks and linear_tiles_fma's register
     blocks (12 rows with AVX-512, 5 with AVX2), with their tails; the float32 product rounded once to
     bf16, as for the GEMV. A misplaced element in the packed layout would be a wrong product, far outside
@@ -351,14 +368,14 @@ def test_tile_kernels_match_a_float32_product(kernels, tile_kernel, rows, out_fe
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    out = getattr(kernels, tile_kernel)(x, pack_tiles(weight))
+    out = tile_product(x, pack_tiles(weight))
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     assert close(out, F.linear(x.float(), weight.float()), torch.bfloat16)
 
 
 @pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
 @pytest.mark.parametrize("rows", [3, 13, 100])
-def test_tile_kernels_gate_in_their_epilogue(kernels, tile_kernel, rows) -> None:
+def test_tile_kernels_gate_in_their_epilogue(tile_product, rows) -> None:
     """gated: the weight [gate; up] interleaved in 16s gives silu(gate) * up, [rows, N / 2], each value
     rounded once to bf16 from the float32 products."""
     gen = torch.Generator().manual_seed(rows)
@@ -366,14 +383,14 @@ def test_tile_kernels_gate_in_their_epilogue(kernels, tile_kernel, rows) -> None
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     gate, up = F.linear(x.float(), weight.float()).chunk(2, dim=-1)
     expected = F.silu(gate) * up
-    out = getattr(kernels, tile_kernel)(x, pack_tiles(linear._interleave_halves(weight)), True)
+    out = tile_product(x, pack_tiles(linear._interleave_halves(weight)), True)
     assert out.shape == (rows, 320)
     assert bool(((out.float() - expected).abs() <= 2**-7 * expected.abs() + 1e-4).all())
 
 
 @pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
-def test_tile_kernels_refuse_what_they_cannot_compute(kernels, tile_kernel) -> None:
-    product = getattr(kernels, tile_kernel)
+def test_tile_kernels_refuse_what_they_cannot_compute(tile_product) -> None:
+    product = tile_product
     packed = pack_tiles(torch.ones(64, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16"):
         product(torch.ones(4, 64), packed)
@@ -384,36 +401,64 @@ def test_tile_kernels_refuse_what_they_cannot_compute(kernels, tile_kernel) -> N
 
 
 @pytest.fixture
-def fresh_batched_product():
-    """The process's choice of batched product made again after the test (which forces its own)."""
+def fresh_batched_product(monkeypatch):
+    """The process's choice of batched product made again after the test (which forces its own through
+    monkeypatch's environment, undone first), the quantized products' settings with it."""
     yield
-    linear.batched_product_kernel.cache_clear()
-    linear.long_chunks_on_fma.cache_clear()
+    monkeypatch.undo()
+    linear.batched_products.cache_clear()
+    linear.batched_products()
 
 
 @pytest.mark.skipif(
     cpu.load() is None or cpu.load().amx_available() or cpu.choice().isa.isa.name == "generic",
     reason="the batched product is chosen only where the kernels have FMA tiles and the CPU no AMX",
 )
-def test_kvserve_batched_product_forces_the_kernel_of_batched_rows(monkeypatch, fresh_batched_product) -> None:
-    """Without AMX, KVSERVE_BATCHED_PRODUCT=fma packs tiles for linear_tiles_fma and gives them prefill
-    chunks past AMX_MAX_ROWS too, onednn leaves the rows to oneDNN (both agree with the float32 product),
-    and any other value is refused, naming the variable."""
+def test_kvserve_batched_product_forces_the_kernel_of_batched_rows(kernels, monkeypatch, fresh_batched_product) -> None:
+    """Without AMX, KVSERVE_BATCHED_PRODUCT=fma (and =dpbf16 where the build has AVX512-BF16) packs tiles
+    for linear_tiles_fma in that form and gives them prefill chunks past AMX_MAX_ROWS too, onednn leaves the
+    rows to oneDNN (all agree with the float32 product), the quantized products follow
+    (set_tile_products), and any other value is refused, naming the variable."""
     weight = torch.randn(64, 96).bfloat16()
-    for setting, tiled in (("fma", True), ("onednn", False)):
+    settings = [("fma", True), ("onednn", False)] + ([("dpbf16", True)] if kernels.TILES_HAVE_BF16_PAIRS else [])
+    for setting, tiled in settings:
         monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, setting)
-        linear.batched_product_kernel.cache_clear()
-        linear.long_chunks_on_fma.cache_clear()
+        linear.batched_products.cache_clear()
         product = make_linear(weight)
         assert (product.tiles is not None) == tiled
         assert (product.tiles_max_rows is None) == tiled
+        assert kernels.tile_products() == (tiled, tiled, setting == "dpbf16")
         for rows in (7, AMX_MAX_ROWS + 88):
             x = torch.randn(rows, 96).bfloat16()
             assert close(product(x), F.linear(x.float(), weight.float()), torch.bfloat16)
-    monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, "amx")
-    linear.batched_product_kernel.cache_clear()
-    with pytest.raises(ValueError, match="KVSERVE_BATCHED_PRODUCT"):
-        make_linear(weight)
+    refused = ["amx"] + ([] if kernels.TILES_HAVE_BF16_PAIRS else ["dpbf16"])
+    for setting in refused:
+        monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, setting)
+        linear.batched_products.cache_clear()
+        with pytest.raises(ValueError, match="KVSERVE_BATCHED_PRODUCT"):
+            make_linear(weight)
+
+
+@pytest.mark.skipif(
+    cpu.load() is None or cpu.load().amx_available() or cpu.choice().isa.isa.name == "generic",
+    reason="the batched product is probed only where the kernels have FMA tiles and the CPU no AMX",
+)
+def test_the_probe_picks_a_kernel_it_timed_and_sets_the_quantized_products_to_match(
+    kernels, monkeypatch, fresh_batched_product, caplog
+) -> None:
+    """KVSERVE_BATCHED_PRODUCT=auto times every candidate on this CPU (its log line names each), picks one
+    of them, and sets quant_linear's products to the same tiles and form."""
+    monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, "auto")
+    linear.batched_products.cache_clear()
+    with caplog.at_level(logging.INFO, logger="kvserve.model.linear"):
+        choice = linear.batched_products()
+    probe = next(r.getMessage() for r in caplog.records if "bf16 products of 64" in r.getMessage())
+    candidates = ["fma", "onednn"] + (["dpbf16"] if kernels.TILES_HAVE_BF16_PAIRS else [])
+    assert all(f"ms on {name}" in probe for name in candidates), probe
+    assert choice.kernel in candidates
+    tiled = choice.kernel != "onednn"
+    assert kernels.tile_products() == (tiled, choice.long_chunks, choice.kernel == "dpbf16")
+    assert not choice.long_chunks or tiled
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -52,7 +52,7 @@ def test_batched_decode_takes_the_compiled_step_where_the_tile_kernels_run(llm_b
     where every projection has packed tiles (linear_amx, or linear_tiles_fma where the CPU has no AMX and
     the probe chose it), and then gives the Python loop's tokens."""
     tiled = llm_bf16.engine.model.compiled_decode.tiles is not None
-    assert tiled == (linear.batched_product_kernel() in ("amx", "fma"))
+    assert tiled == (linear.batched_product_kernel() in linear.TILE_PRODUCTS)
     try:
         compiled, ran = generate(llm_bf16, BATCH, compiled=True)
         python, ran_without = generate(llm_bf16, BATCH, compiled=False)

@@ -8,14 +8,17 @@ Tolerances, and why:
 - quant_linear: the same float32 weights, summed in another order: 1e-5 of sum |w x| (plus one
   bf16 rounding of the result for bf16 activations). For bf16 activations on a path with native bf16
   products (AMX, AVX512-BF16) the weights are first rounded to bf16, as the dense bf16 engine holds them
-  (quant_linear_bf16.cpp, and tiles_fma.h's VDPBF16PS form where FMA products are on: set_fma_products):
-  the reference rounds them too. Elsewhere bf16 x meets the float32 weights. Both settings are tested.
+  (quant_linear_bf16.cpp, tiles_fma.h's VDPBF16PS form where the tile products are on: set_tile_products,
+  and long chunks, W dequantized whole into bf16): the reference rounds them too. Elsewhere (the tiles'
+  float32 form, AVX2) bf16 x meets the float32 weights. Each setting is tested.
 - quant_gemv quantizes each 32 elements of x to int8 (step s = max |x| / 127, rounding to nearest), so
   each x moves by at most s / 2 and the result by at most sum over x blocks of s / 2 * sum |w| over the
   block: that bound, plus the float32 slack and bf16 rounding above.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -27,6 +30,8 @@ from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.model.quantized import KERNEL_TYPES, ROW_GROUP_ROWS, ROW_GROUP_TYPES, QuantizedTensor
 from kvserve.model.quantized_linear import quantized_kernels
 
+# quant_linear.cpp's kLongChunkRows: bf16 chunks of more rows multiply W dequantized whole into bf16.
+LONG_CHUNK_ROWS = 512
 # Byte offsets of each type's f16 scale fields within a block (quant_blocks.h has the layouts).
 SCALE_FIELDS = {
     GGMLQuantizationType.Q8_0: (0,),
@@ -95,17 +100,38 @@ def float_slack(w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, dtype: torc
     return slack + (2.0**-8 * ref.abs() if dtype == torch.bfloat16 else 0.0)
 
 
-@pytest.fixture(params=[False, True], ids=["fma products off", "fma products on"])
-def fma_products(request, kernels) -> bool:
-    """quant_linear's setting for bf16 x without AMX, for one test; the process's own is restored after."""
-    previous = kernels.set_fma_products(request.param)
-    yield request.param
-    kernels.set_fma_products(previous)
+@dataclass(frozen=True)
+class TileProducts:
+    """quant_linear's products of bf16 x without AMX (set_tile_products; long chunks follow the panels)."""
+
+    panels: bool  # on the tiles' register blocks, else on quant_linear_bf16's VDPBF16PS dots
+    bf16_pairs: bool  # the register blocks on VDPBF16PS, else on float32 FMAs
+    long_chunks: bool  # chunks past LONG_CHUNK_ROWS on linear_tiles_fma, else on oneDNN (with the panels on)
 
 
-def multiplied_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weights quant_linear multiplies x with: w, or w rounded to bf16 (see the module docstring)."""
-    return w.bfloat16().float() if dtype == torch.bfloat16 and cpu_isa.selected().bf16 else w
+@pytest.fixture(
+    params=[TileProducts(False, False, False), TileProducts(True, False, True), TileProducts(True, True, False)],
+    ids=["tiles off", "tiles on float32 FMAs, long chunks too", "tiles on VDPBF16PS, long chunks on oneDNN"],
+)
+def tile_products(request, kernels) -> TileProducts:
+    """One setting for one test; the process's own is restored after."""
+    setting = request.param
+    if setting.bf16_pairs and not kernels.TILES_HAVE_BF16_PAIRS:
+        pytest.skip("this build has no VDPBF16PS form of the tiles")
+    previous = kernels.tile_products()
+    kernels.set_tile_products(setting.panels, setting.long_chunks, setting.bf16_pairs)
+    yield setting
+    kernels.set_tile_products(*previous)
+
+
+def multiplied_weights(w: torch.Tensor, dtype: torch.dtype, tiles: TileProducts, rows: int = 1) -> torch.Tensor:
+    """The weights quant_linear multiplies `rows` rows of x with: w, or w rounded to bf16 (see the module
+    docstring)."""
+    if dtype != torch.bfloat16 or not cpu_isa.selected().bf16:
+        return w
+    kernels = cpu.load()
+    float_tiles = tiles.panels and not tiles.bf16_pairs and not kernels.amx_available()
+    return w if float_tiles and rows <= LONG_CHUNK_ROWS else w.bfloat16().float()
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -119,11 +145,11 @@ def test_dequantize_rows_is_bit_identical(kernels, qtype: GGMLQuantizationType) 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-def test_quant_linear_matches_dequantize_then_matmul(kernels, fma_products, qtype, dtype: torch.dtype) -> None:
+def test_quant_linear_matches_dequantize_then_matmul(kernels, tile_products, qtype, dtype: torch.dtype) -> None:
     for seed in range(4):
         blocks, n, k, x = random_case(qtype, 10 + seed, 40 if seed == 0 else 9)
         x = x.to(dtype)
-        w = multiplied_weights(reference(blocks, qtype, n, k), dtype)
+        w = multiplied_weights(reference(blocks, qtype, n, k), dtype, tile_products)
         ref = x.double() @ w.double().T
         y = kernels.quant_linear(x, torch.from_numpy(blocks), int(qtype))
         assert y.dtype == dtype and y.shape == ref.shape
@@ -271,11 +297,11 @@ def row_group_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tup
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
-def test_quant_linear_on_row_groups_matches_dequantize_then_matmul(kernels, fma_products, qtype, dtype) -> None:
+def test_quant_linear_on_row_groups_matches_dequantize_then_matmul(kernels, tile_products, qtype, dtype) -> None:
     for seed in range(4):
         blocks, grouped, x = row_group_case(qtype, 30 + seed, 40 if seed == 0 else 9)
         x = x.to(dtype)
-        w = multiplied_weights(reference(blocks, qtype, *grouped.shape), dtype)
+        w = multiplied_weights(reference(blocks, qtype, *grouped.shape), dtype, tile_products)
         ref = x.double() @ w.double().T
         y = kernels.quant_linear(x, grouped.blocks, grouped.kernel_type)
         assert y.dtype == dtype and y.shape == ref.shape
@@ -374,18 +400,18 @@ def test_gated_products_are_silu_mul_of_the_product(kernels, qtype: GGMLQuantiza
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q6_K], ids=lambda t: t.name)
-def test_long_chunks_match_dequantize_then_matmul(kernels, fma_products, qtype: GGMLQuantizationType) -> None:
-    """bf16 rows at and past 512 (a long prefill chunk): with AMX, or on AVX512-BF16 without AMX with FMA
-    products on, 512 rows take the panels (AMX tiles or packed x, gated inside them) and more W dequantized
-    whole into bf16 for the dense engine's product (quant_linear.cpp); elsewhere the panels of the other
-    forms. One reference for all, gated or not."""
+def test_long_chunks_match_dequantize_then_matmul(kernels, tile_products, qtype: GGMLQuantizationType) -> None:
+    """bf16 rows at and past 512 (a long prefill chunk): with AMX, or on AVX512-BF16 without AMX with the
+    tile products on, 512 rows take the panels (AMX tiles or packed x, gated inside them) and more W
+    dequantized whole into bf16 for the dense engine's product (oneDNN's or the tiles', quant_linear.cpp);
+    elsewhere the panels of the other forms. One reference for all, gated or not."""
     gen = np.random.default_rng(80)
     n, k = 64, 256
     ggml = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k))
     weight = ggml.interleaved()
     for rows in (512, 513, 700):
         x = torch.from_numpy(gen.standard_normal((rows, k)).astype(np.float32)).bfloat16()
-        w = multiplied_weights(ggml.dequantize(), torch.bfloat16)
+        w = multiplied_weights(ggml.dequantize(), torch.bfloat16, tile_products, rows)
         ref = x.double() @ w.double().T
         y = kernels.quant_linear(x, weight.blocks, weight.kernel_type)
         assert y.dtype == torch.bfloat16 and y.shape == ref.shape

@@ -7,8 +7,9 @@ runs in float32 on bf16 inputs: the same arithmetic as a bf16 product with float
 values widen exactly), at the float32 kernel's speed, where torch's own bf16 F.linear is several times
 slower than float32. At one or two rows (batch-1 decode) kvserve's own bf16 GEMV (kernels/cpu/gemv.cpp)
 is faster still. From 3 to AMX_MAX_ROWS rows, on CPUs with AMX, kvserve's tile kernel
-(kernels/cpu/linear_amx.cpp) beats oneDNN; on CPUs without, its float32-FMA kernel over the same packed
-tiles (kernels/cpu/linear_tiles_fma.cpp) does where a probe at load says so (batched_product_kernel).
+(kernels/cpu/linear_amx.cpp) beats oneDNN; on CPUs without, its kernel over the same packed tiles
+(kernels/cpu/linear_tiles_fma.cpp, on float32 FMAs or VDPBF16PS) does where a probe at load says so
+(batched_products).
 Figures: benchmarks/RESULTS.md, "Figures behind the code's rules".
 Anything else (CUDA, a torch without the op) uses F.linear. `make_linear` builds a plain projection;
 `make_gated_up` the MLP's up projection, silu(gate) * up, by the same choice of kernels. Weights kept in
@@ -21,6 +22,7 @@ import functools
 import logging
 import os
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -28,7 +30,6 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kvserve.bench.timing import call_times_ms
 from kvserve.kernels import cpu
 from kvserve.model.quantized import Quantized, QuantizedTensor, StackedQuantizedTensor
 from kvserve.model.quantized_linear import make_quantized_linear
@@ -194,80 +195,124 @@ class GatedAfterProduct:
 
 
 # Where the CPU has no AMX: which kernel multiplies bf16 batches of 3 to AMX_MAX_ROWS rows. "auto" (the
-# default) probes both on this CPU; "fma" and "onednn" force one (tests and benchmarks of each path).
+# default) probes each on this CPU; "fma" (linear_tiles_fma on widened float32 FMAs), "dpbf16" (the same
+# tiles on VDPBF16PS, where the build has AVX512-BF16) and "onednn" force one (tests and benchmarks of
+# each path).
 BATCHED_PRODUCT_ENV = "KVSERVE_BATCHED_PRODUCT"
-BATCHED_PRODUCT_SETTINGS = ("auto", "fma", "onednn")
+BATCHED_PRODUCT_SETTINGS = ("auto", "fma", "dpbf16", "onednn")
+TILE_PRODUCTS = ("amx", "fma", "dpbf16")  # the kernels that read pack_tiles' layout
 # The probe's product: a decode batch through an MLP-sized matrix (SmolLM2's down projection); the
 # second probe's: a long prefill chunk through a smaller matrix, to keep that probe short.
 PROBE_ROWS, PROBE_OUT, PROBE_IN = 64, 576, 1536
 PROBE_LONG_ROWS, PROBE_LONG_SIZE = 1024, 512
-PROBE_REPEATS = 7  # timed calls of each kernel per probe (the median decides)
+PROBE_REPEATS = 7  # timed calls of each kernel per probe, the kernels in turn (the median decides)
+
+
+@dataclass(frozen=True)
+class BatchedProducts:
+    """The process's products of bf16 batches (batched_products)."""
+
+    kernel: str  # "amx", "fma", "dpbf16" or "onednn": batches of 3 to AMX_MAX_ROWS rows
+    long_chunks: bool  # whether longer prefill chunks take the same tiles (else oneDNN)
 
 
 @functools.cache
-def batched_product_kernel() -> str:
-    """Which kernel multiplies bf16 batches of 3 to AMX_MAX_ROWS rows on this CPU: "amx" (linear_amx),
-    "fma" (linear_tiles_fma over the same packed tiles) or "onednn" (its packed bf16 kernel, or float32
-    where it has no bf16 one). Without AMX the faster of fma and onednn on a probe product, timed once per
-    process (a few milliseconds), unless KVSERVE_BATCHED_PRODUCT forces one: which wins depends on the
-    CPU's bf16 dot-product rate against its float32 FMA rate (benchmarks/RESULTS.md, "FMA tiles"). The
-    quantized products of bf16 rows follow the same choice (set_fma_products)."""
+def batched_products() -> BatchedProducts:
+    """Which kernel multiplies bf16 batches of 3 to AMX_MAX_ROWS rows on this CPU, and whether it takes
+    longer chunks too. With AMX linear_amx (long chunks on oneDNN). Without, the fastest on a probe product
+    of linear_tiles_fma's two forms (float32 FMAs; VDPBF16PS where the build has AVX512-BF16) and oneDNN's
+    packed product (bf16, or float32 where it has no bf16 kernel), timed once per process (a few
+    milliseconds), unless KVSERVE_BATCHED_PRODUCT forces one; then, for the tiles, a second probe at
+    PROBE_LONG_ROWS rows against oneDNN for long chunks (forcing a tile form forces that too). Which wins
+    depends on the CPU: AMD's Zen 4 issues VDPBF16PS at its FMA rate, Intel's cores at half of it
+    (benchmarks/RESULTS.md, "FMA tiles", "VDPBF16PS tiles", "Both tile forms, chosen by a probe"). The
+    quantized products of bf16 rows follow the same choice (set_tile_products)."""
     kernels = gemv_kernels()
     if kernels is None:
-        return "onednn"
+        return BatchedProducts("onednn", False)
     if kernels.amx_available():
-        return "amx"
-    choice = _choose_without_amx(kernels)
-    kernels.set_fma_products(choice == "fma")
-    return choice
-
-
-def _choose_without_amx(kernels: ModuleType) -> str:
+        return BatchedProducts("amx", False)
     setting = os.environ.get(BATCHED_PRODUCT_ENV, "auto")
-    if setting not in BATCHED_PRODUCT_SETTINGS:
-        raise ValueError(f"{BATCHED_PRODUCT_ENV}={setting!r}: expected one of {', '.join(BATCHED_PRODUCT_SETTINGS)}")
-    if setting != "auto":
-        return setting
-    return "fma" if _fma_wins(kernels, PROBE_ROWS, PROBE_OUT, PROBE_IN) else "onednn"
-
-
-@functools.cache
-def long_chunks_on_fma() -> bool:
-    """Whether products of more than AMX_MAX_ROWS rows (long prefill chunks) take the FMA tiles too:
-    where they took the batches and a second probe, at PROBE_LONG_ROWS rows, finds them faster than
-    oneDNN there as well (KVSERVE_BATCHED_PRODUCT=fma forces it)."""
-    kernels = gemv_kernels()
-    if kernels is None or batched_product_kernel() != "fma":
-        return False
-    if os.environ.get(BATCHED_PRODUCT_ENV, "auto") == "fma":
-        return True
-    return _fma_wins(kernels, PROBE_LONG_ROWS, PROBE_LONG_SIZE, PROBE_LONG_SIZE)
-
-
-def _fma_wins(kernels: ModuleType, rows: int, n: int, k: int) -> bool:
-    """Whether linear_tiles_fma multiplies `rows` random bf16 rows by an [n, k] weight faster than oneDNN's
-    packed product as make_linear runs it (in float32 where oneDNN has no bf16 kernel)."""
+    forms = ("fma", "dpbf16") if kernels.TILES_HAVE_BF16_PAIRS else ("fma",)
+    if setting not in BATCHED_PRODUCT_SETTINGS or (setting == "dpbf16" and "dpbf16" not in forms):
+        allowed = [name for name in BATCHED_PRODUCT_SETTINGS if name != "dpbf16" or "dpbf16" in forms]
+        raise ValueError(f"{BATCHED_PRODUCT_ENV}={setting!r}: expected one of {', '.join(allowed)} on this build")
     compute = _onednn_compute_dtype(torch.empty(0, dtype=torch.bfloat16))
-    if compute is None:
-        return True
+    if setting != "auto":
+        kernel, long_chunks = setting, setting != "onednn"
+    elif compute is None:  # no oneDNN product to compare with
+        kernel = _fastest(kernels, forms, None, PROBE_ROWS, PROBE_OUT, PROBE_IN)
+        long_chunks = True
+    else:
+        kernel = _fastest(kernels, (*forms, "onednn"), compute, PROBE_ROWS, PROBE_OUT, PROBE_IN)
+        long_chunks = (
+            kernel != "onednn"
+            and _fastest(kernels, (kernel, "onednn"), compute, PROBE_LONG_ROWS, PROBE_LONG_SIZE, PROBE_LONG_SIZE)
+            == kernel
+        )
+    kernels.set_tile_products(panels=kernel in TILE_PRODUCTS, long_chunks=long_chunks, bf16_pairs=kernel == "dpbf16")
+    return BatchedProducts(kernel, long_chunks)
+
+
+def batched_product_kernel() -> str:
+    """batched_products().kernel: "amx", "fma", "dpbf16" or "onednn"."""
+    return batched_products().kernel
+
+
+def long_chunks_on_tiles() -> bool:
+    """Whether products of more than AMX_MAX_ROWS rows (long prefill chunks) take the tiles of the CPU
+    without AMX too (batched_products)."""
+    return batched_products().long_chunks
+
+
+def _fastest(
+    kernels: ModuleType, candidates: tuple[str, ...], compute: torch.dtype | None, rows: int, n: int, k: int
+) -> str:
+    """The candidate ("fma", "dpbf16", "onednn") that multiplies `rows` random bf16 rows by an [n, k] weight
+    fastest, oneDNN as make_linear runs it (in `compute`); timed in turn, call by call, so that a change in
+    the machine's speed during the probe hits each alike."""
     weight = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
-    tiles, packed = pack_tiles(weight), _onednn_pack(weight, compute, PACKING_ROWS_HINT[compute])
-    onednn = _in_compute_dtype(
-        lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), compute, torch.bfloat16
-    )
-    fma_ms = statistics.median(call_times_ms(lambda: kernels.linear_tiles_fma(x, tiles), PROBE_REPEATS))
-    onednn_ms = statistics.median(call_times_ms(lambda: onednn(x), PROBE_REPEATS))
+    tiles = pack_tiles(weight)
+    calls: dict[str, Callable[[], object]] = {}
+    for name in candidates:
+        if name == "onednn":
+            assert compute is not None
+            calls[name] = functools.partial(_onednn_product(weight, compute), x)
+        else:
+            calls[name] = functools.partial(_tiles_in_form, kernels, name == "dpbf16", x, tiles)
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for call in calls.values():
+        call()  # warms caches, lets oneDNN create its primitive
+    for _ in range(PROBE_REPEATS):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    medians = {name: statistics.median(ms) for name, ms in times.items()}
     logger.info(
-        "bf16 products of %d x %d x %d: %.3f ms on FMA tiles, %.3f ms on oneDNN (%s)",
+        "bf16 products of %d x %d x %d: %s",
         rows,
         n,
         k,
-        fma_ms,
-        onednn_ms,
-        compute,
+        ", ".join(f"{ms:.3f} ms on {name}" for name, ms in medians.items()),
     )
-    return fma_ms < onednn_ms
+    return min(medians, key=medians.__getitem__)
+
+
+def _onednn_product(weight: torch.Tensor, compute: torch.dtype) -> LinearFn:
+    """oneDNN's packed product of bf16 rows by `weight`, in `compute`, as make_linear runs it."""
+    packed = _onednn_pack(weight, compute, PACKING_ROWS_HINT[compute])
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    return _in_compute_dtype(product, compute, torch.bfloat16)
+
+
+def _tiles_in_form(kernels: ModuleType, bf16_pairs: bool, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    kernels.set_tile_products(panels=False, long_chunks=False, bf16_pairs=bf16_pairs)
+    return kernels.linear_tiles_fma(x, tiles)
 
 
 @dataclass(frozen=True)
@@ -275,7 +320,7 @@ class KernelLinear:
     """A bf16 linear on kvserve's own kernels where they take the rows: up to GEMV_MAX_ROWS the GEMV,
     then the packed `tiles` where they are set (linear_amx on AMX, else linear_tiles_fma:
     batched_product_kernel) up to AMX_MAX_ROWS, or any number where the FMA tiles take long chunks too
-    (long_chunks_on_fma), `many_rows` beyond. With `silu_mul` (weight = [gate; up])
+    (long_chunks_on_tiles), `many_rows` beyond. With `silu_mul` (weight = [gate; up])
     the result is silu(gate) * up: the GEMV's product goes through silu_mul, the tile kernels gate in
     their epilogue (`tiles` then hold the halves interleaved). The compiled decode step
     (kernels/cpu/decode_layers.cpp) makes the same choice from `weight` and `tiles`."""
@@ -309,9 +354,9 @@ def _with_few_row_kernels(weight: torch.Tensor, many_rows: LinearFn, silu_mul: L
     if kernels is None or weight.dtype != torch.bfloat16:
         return many_rows
     n, k = weight.shape
-    tiled = batched_product_kernel() in ("amx", "fma") and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
+    tiled = batched_product_kernel() in TILE_PRODUCTS and n % AMX_ALIGN == 0 and k % AMX_ALIGN == 0
     tiles = pack_tiles(_interleave_halves(weight) if silu_mul is not None else weight) if tiled else None
-    max_rows = None if long_chunks_on_fma() else AMX_MAX_ROWS
+    max_rows = None if long_chunks_on_tiles() else AMX_MAX_ROWS
     return KernelLinear(kernels, weight, tiles, max_rows, many_rows, silu_mul)
 
 

@@ -1,6 +1,7 @@
 // The Python module: one entry per kernel in ops.h, and amx_available (amx.h).
 #include "amx.h"
 #include "ops.h"
+#include "tiles_fma.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace kvserve;
@@ -29,16 +30,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DECODE_LAYER_EXTRAS") = extras;
   m.def("linear_amx", &linear_amx, "x @ W.T on AMX tiles, W in the packed tile layout (bf16); gated: silu(gate) * up",
         py::arg("x"), py::arg("packed"), py::arg("gated") = false);
-  m.def("linear_tiles_fma", &linear_tiles_fma, "linear_amx's product on float32 FMAs (AVX-512 or AVX2), same packed W",
-        py::arg("x"), py::arg("packed"), py::arg("gated") = false);
+  m.def("linear_tiles_fma", &linear_tiles_fma,
+        "linear_amx's product on float32 FMAs or VDPBF16PS (AVX-512 or AVX2), same packed W", py::arg("x"),
+        py::arg("packed"), py::arg("gated") = false);
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a matrix in GGUF blocks or row groups -> float32 [T, K]");
   m.def("quant_gemv", &quant_gemv, "x @ W.T, W in GGUF blocks or row groups read once; x quantized per 32 to int8",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("gated") = false);
   m.def("int8_max_rows", &int8_max_rows, "the most rows quant_product gives quant_gemv for this block type");
   m.def("quant_linear", &quant_linear, "x @ W.T for any rows, W in GGUF blocks dequantized panel by panel",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("gated") = false);
-  m.def("set_fma_products", &set_fma_products,
-        "quant_linear: bf16 x on float32 FMAs on AVX-512 without AMX; returns the old value");
+  m.def("set_tile_products", &set_tile_products,
+        "without AMX: quant_linear's panels and long chunks on the tiles, the tiles on VDPBF16PS", py::arg("panels"),
+        py::arg("long_chunks"), py::arg("bf16_pairs"));
+  m.def("tile_products", &tile_products, "set_tile_products' settings: (panels, long_chunks, bf16_pairs)");
+  m.attr("TILES_HAVE_BF16_PAIRS") = tiles_fma::kBf16Pairs;
   m.def("quant_product", &quant_product, "x @ W.T as the model runs it: quant_gemv where it takes the rows",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("decode_step"), py::arg("gated") = false);
   m.def("decode_layers", &decode_layers,

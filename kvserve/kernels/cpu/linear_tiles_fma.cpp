@@ -4,11 +4,13 @@
 // Why not oneDNN's bf16 kernel there: on CPUs whose VDPBF16PS issues at half the rate of float32 FMAs
 // (Intel's), widening both operands to float32 and using FMAs has twice the peak, and where oneDNN has
 // no bf16 kernel at all (AVX2) it multiplies float32 weights of twice the bytes. Which is faster on the
-// CPU at hand is measured, not assumed: kvserve/model/linear.py probes both once per process.
+// CPU at hand is measured, not assumed: kvserve/model/linear.py probes oneDNN and both forms of the tiles
+// (below) once per process.
 //
 // The register block (tiles_fma.h): kRows rows of x times 32 columns of W, so the results are those of
-// a float32 product of the bf16 values, up to the order of the sums. Where the build has AVX512-BF16 the
-// block multiplies on VDPBF16PS (x as it is); elsewhere on FMAs (x widened to float32 once per call).
+// a float32 product of the bf16 values, up to the order of the sums. It multiplies on FMAs (x widened to
+// float32 once per call) or, where the build has AVX512-BF16 and the process chose it, on VDPBF16PS (x as
+// it is): tiles_fma.h says why both.
 //
 // Gated (the MLP's up projection): as linear_amx, each 32-column block holds 16 gate columns and their 16
 // up columns, and the epilogue stores silu(gate) * up.
@@ -58,29 +60,41 @@ at::Tensor linear_tiles_fma(at::Tensor x, at::Tensor packed, bool gated) {
   TORCH_CHECK(k == packed.size(1) * 32, "x has ", k, " columns, the packed weight ", packed.size(1) * 32);
   auto y = at::empty({rows, gated ? n / 2 : n}, x.options());
   if (rows == 0) return y;
-  // x as the register block reads it: bf16 pairs where the build has them, else float32.
-  const at::Tensor xs = kBf16Pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
-  using X = std::conditional_t<kBf16Pairs, uint16_t, float>;
-  const X* x_data = static_cast<const X*>(xs.data_ptr());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t full_blocks = rows / kRows;
   const int tail = static_cast<int>(rows % kRows);
-  // Each thread walks its own run of 32-column blocks front to back and reuses each for every row block
-  // while it sits in L1/L2, as linear_amx does.
-  at::parallel_for(0, n / (2 * kBlockCols), 1, [=](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      for (int64_t block = 0; block < full_blocks; ++block)
-        block_product<kRows>(x_data, w, k, block * kRows, pair, n, gated, out);
-      with_rows(tail, [&](auto tail_rows) {
-        block_product<decltype(tail_rows)::value>(x_data, w, k, full_blocks * kRows, pair, n, gated, out);
-      });
-    }
+  with_a_type([&](auto a_type) {
+    // x as the register block reads it: bf16 pairs in the VDPBF16PS form, else float32.
+    using X = decltype(a_type);
+    const at::Tensor xs = std::is_same_v<X, uint16_t> ? x.contiguous() : x.to(at::kFloat).contiguous();
+    const X* x_data = static_cast<const X*>(xs.data_ptr());
+    // Each thread walks its own run of 32-column blocks front to back and reuses each for every row block
+    // while it sits in L1/L2, as linear_amx does.
+    at::parallel_for(0, n / (2 * kBlockCols), 1, [=](int64_t begin, int64_t end) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        for (int64_t block = 0; block < full_blocks; ++block)
+          block_product<kRows>(x_data, w, k, block * kRows, pair, n, gated, out);
+        with_rows(tail, [&](auto tail_rows) {
+          block_product<decltype(tail_rows)::value>(x_data, w, k, full_blocks * kRows, pair, n, gated, out);
+        });
+      }
+    });
   });
   return y;
 }
 #else
 at::Tensor linear_tiles_fma(at::Tensor, at::Tensor, bool) { TORCH_CHECK(false, "this build has no AVX2/FMA kernels"); }
 #endif
+
+void set_tile_products(bool panels, bool long_chunks, bool bf16_pairs) {
+  tiles_fma::choice.panels = panels;
+  tiles_fma::choice.long_chunks = long_chunks;
+  tiles_fma::choice.bf16_pairs = bf16_pairs && tiles_fma::kBf16Pairs;
+}
+
+std::tuple<bool, bool, bool> tile_products() {
+  return {tiles_fma::choice.panels, tiles_fma::choice.long_chunks, tiles_fma::choice.bf16_pairs};
+}
 
 }  // namespace kvserve

@@ -38,7 +38,8 @@ constexpr int64_t kGemvMaxRows = 2;
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor weight);
 // x [M, K] @ W^T on AMX tiles, W packed by kvserve/model/linear.py's pack_tiles; bf16 in and out.
 at::Tensor linear_amx(at::Tensor x, at::Tensor packed, bool gated);
-// The same product on float32 FMAs (AVX-512 or AVX2), the same packed weight: CPUs without AMX.
+// The same product on float32 FMAs or VDPBF16PS (AVX-512 or AVX2; set_tile_products), the same packed weight:
+// CPUs without AMX.
 at::Tensor linear_tiles_fma(at::Tensor x, at::Tensor packed, bool gated);
 // Quantized weights: `blocks` uint8 [N, row_bytes] of GGML block type `type` (quant_blocks.h).
 // Rows `ids` (int [T], each < N) of the matrix dequantized to float32 [T, K], exactly as
@@ -54,9 +55,14 @@ int64_t int8_max_rows(int64_t type);
 // multiplied; y in x's dtype. bf16 x on a path with native bf16 products meets the panel dequantized
 // straight into bf16 (each value rounded to nearest even). `gated` as quant_gemv's.
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gated = false);
-// Whether quant_linear multiplies bf16 x on float32 FMAs on AVX-512 without AMX (off until set: the
-// process's probe, kvserve/model/linear.py, sets it with its choice); returns the previous setting.
-bool set_fma_products(bool enabled);
+// The tile products without AMX (tiles_fma.h's Choice; all off until set: the process's probe,
+// kvserve/model/linear.py, sets them with its choice): whether quant_linear multiplies bf16 x in the tiles'
+// register blocks (`panels`, AVX-512), whether its chunks past 512 rows take linear_tiles_fma on W
+// dequantized whole (`long_chunks`, AVX512-BF16), and whether the register blocks multiply on VDPBF16PS
+// rather than widened float32 FMAs (`bf16_pairs`, where the build has AVX512-BF16: else it stays off).
+void set_tile_products(bool panels, bool long_chunks, bool bf16_pairs);
+// The settings as set: (panels, long_chunks, bf16_pairs).
+std::tuple<bool, bool, bool> tile_products();
 // x @ W^T as the model runs it (QuantizedLinear, decode_layers): quant_gemv up to kGemvMaxRows rows, or
 // in a decode step (every row follows generated tokens: decode, verify, draft) up to int8_max_rows(type);
 // else quant_linear. `gated` as quant_gemv's.

@@ -9,15 +9,16 @@
 // - with AMX: each panel of 32 weight rows is packed straight into B tiles (quant_pack_tiles.h) and
 //   multiplied on amx_product.h's product, the dense bf16 weights' own (linear_amx), gated included, so
 //   the results are the dense bf16 engine's, up to the order of the sums;
-// - with AVX512-BF16 where FMA products are off (set_fma_products): the panel is dequantized into bf16
-//   and multiplied on VDPBF16PS (quant_linear_bf16.cpp), so the results are again the dense bf16 engine's;
-// - on AVX-512 without AMX where FMA products are on (the process's probe found them faster:
+// - with AVX512-BF16 where the tile products are off (set_tile_products): the panel is dequantized into
+//   bf16 and multiplied on VDPBF16PS (quant_linear_bf16.cpp), so the results are again the dense bf16
+//   engine's;
+// - on AVX-512 without AMX where the tile products are on (the process's probe found them faster:
 //   kvserve/model/linear.py): x is packed once per call in pack_tiles' layout and each panel multiplies
 //   it in register blocks of tiles_fma.h (panel rows as the broadcast operand, rows of x as the packed
-//   one). With AVX512-BF16 the panel is dequantized to bf16 and the blocks run on VDPBF16PS, so the
-//   results are the dense bf16 engine's; without it the panel is float32, so they are
-//   dequantize-then-matmul's; either up to the order of the sums. Not on AVX2: there its 5-row blocks
-//   lost to the micro-kernel below (benchmarks/RESULTS.md, "FMA tiles");
+//   one). In the blocks' VDPBF16PS form the panel is dequantized to bf16, so the results are the dense
+//   bf16 engine's; in their FMA form it is float32, so they are dequantize-then-matmul's; either up to
+//   the order of the sums. Not on AVX2: there its 5-row blocks lost to the micro-kernel below
+//   (benchmarks/RESULTS.md, "FMA tiles");
 // - otherwise the float32 micro-kernel below, on x widened to float32.
 //
 // Micro-kernel (AVX2 + FMA): kXRows rows of x times kWRows rows of the tile in dot-product form, eight
@@ -79,9 +80,6 @@ void rows_times_tile(const float* x, const float* tile, int64_t w_rows, int64_t 
   for (; j < w_rows; ++j) micro_kernel<XR, 1>(x, tile + j * k, k, y + j, y_stride);
 }
 
-// Whether bf16 x without AMX takes packed_x_times_panels (set_fma_products).
-std::atomic<bool> fma_products{false};
-
 #if defined(__AVX512F__)
 // x [rows, k] bf16, contiguous, packed as pack_tiles packs a weight, rows padded with
 // zeros to `padded`: word (a, c, d, b) = x's pair (row 16a + b, columns 32c + 2d, +1), i.e. per 16 rows
@@ -104,13 +102,13 @@ void pack_x_pairs(const uint16_t* x, int64_t rows, int64_t padded, int64_t k, ui
 }
 
 // Long prefill chunks (more than kLongChunkRows rows) of bf16 x on AMX, or on AVX512-BF16 without AMX
-// where the FMA products are on: W dequantized whole into bf16, then the product the dense bf16 engine
-// runs on such chunks (oneDNN's: kvserve/model/linear.py keeps long chunks there, past AMX_MAX_ROWS, unless
-// its probe finds the FMA tiles faster). The panels read all of x again for each pair of tiles (AMX) or
-// each panel, which costs little up to 512 rows and lost to oneDNN at 2,048 rows: by 5-15 % on the FMA
-// tiles (benchmarks/RESULTS.md, "Q8_0 row groups"), by 1.2-2.1x on the AMX tiles (RESULTS.md, "Quantized
-// panels packed into AMX tiles"). The copy, one matrix at a time, costs a small part of the product (its
-// weights are read once more).
+// where the tile products are on: W dequantized whole into bf16, then the product the dense bf16 engine
+// runs on such chunks (oneDNN's, or linear_tiles_fma's where kvserve/model/linear.py's probe finds the
+// tiles faster there too: tiles_fma::choice.long_chunks). The panels read all of x again for each pair of
+// tiles (AMX) or each panel, which costs little up to 512 rows and lost to oneDNN at 2,048 rows: by 5-15 %
+// on the FMA tiles (benchmarks/RESULTS.md, "Q8_0 row groups"), by 1.2-2.1x on the AMX tiles (RESULTS.md,
+// "Quantized panels packed into AMX tiles"). The copy, one matrix at a time, costs a small part of the
+// product (its weights are read once more).
 constexpr int64_t kLongChunkRows = 512;
 
 #if defined(__AVX512BF16__)
@@ -148,42 +146,63 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
   const uint16_t* xs = raw<c10::BFloat16>(packed);
   uint16_t* ys = raw<c10::BFloat16>(y);
   const int64_t panels = (columns + kPanelRows - 1) / kPanelRows;
-  at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
-    using Tile = std::conditional_t<kBf16Pairs, uint16_t, float>;
-    const FlushDenormals ftz;
-    Tile* tile = thread_scratch<Tile>(2 * kPanelRows * k);  // gated: the panel's gate rows, then its up rows
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, columns - n0);
-      quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
-      if (gated) quant::dequantize_rows_into<Block>(w, row_bytes, columns + n0, w_rows, k, tile + w_rows * k);
-      for (int64_t pair = 0; pair < padded / 32; ++pair) {
-        const int64_t valid = std::min<int64_t>(2 * kBlockCols, rows - pair * 2 * kBlockCols);
-        for (int64_t r0 = 0; r0 < w_rows; r0 += kRows) {
-          with_rows(static_cast<int>(std::min<int64_t>(kRows, w_rows - r0)), [&](auto block_rows) {
-            constexpr int R = decltype(block_rows)::value;
-            alignas(64) float c[R][2 * kBlockCols];
-            accumulate<R>(tile + r0 * k, k, xs, pair, c);
-            if (gated) {
-              alignas(64) float up[R][2 * kBlockCols];
-              accumulate<R>(tile + (w_rows + r0) * k, k, xs, pair, up);
-              for (int r = 0; r < R; ++r)
-                for (int64_t j = 0; j < valid; ++j) c[r][j] = silu_times(c[r][j], up[r][j]);
-            }
-            for (int64_t j = 0; j < valid; ++j)
-              for (int r = 0; r < R; ++r)
-                ys[(pair * 2 * kBlockCols + j) * columns + n0 + r0 + r] = from_float<uint16_t>(c[r][j]);
-          });
+  with_a_type([&](auto a_type) {
+    at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
+      using Tile = decltype(a_type);
+      const FlushDenormals ftz;
+      Tile* tile = thread_scratch<Tile>(2 * kPanelRows * k);  // gated: the panel's gate rows, then its up rows
+      for (int64_t panel = begin; panel < end; ++panel) {
+        const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, columns - n0);
+        quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
+        if (gated) quant::dequantize_rows_into<Block>(w, row_bytes, columns + n0, w_rows, k, tile + w_rows * k);
+        for (int64_t pair = 0; pair < padded / 32; ++pair) {
+          const int64_t valid = std::min<int64_t>(2 * kBlockCols, rows - pair * 2 * kBlockCols);
+          for (int64_t r0 = 0; r0 < w_rows; r0 += kRows) {
+            with_rows(static_cast<int>(std::min<int64_t>(kRows, w_rows - r0)), [&](auto block_rows) {
+              constexpr int R = decltype(block_rows)::value;
+              alignas(64) float c[R][2 * kBlockCols];
+              accumulate<R>(tile + r0 * k, k, xs, pair, c);
+              if (gated) {
+                alignas(64) float up[R][2 * kBlockCols];
+                accumulate<R>(tile + (w_rows + r0) * k, k, xs, pair, up);
+                for (int r = 0; r < R; ++r)
+                  for (int64_t j = 0; j < valid; ++j) c[r][j] = silu_times(c[r][j], up[r][j]);
+              }
+              for (int64_t j = 0; j < valid; ++j)
+                for (int r = 0; r < R; ++r)
+                  ys[(pair * 2 * kBlockCols + j) * columns + n0 + r0 + r] = from_float<uint16_t>(c[r][j]);
+            });
+          }
         }
       }
-    }
+    });
   });
   return y;
 }
 #endif
 
-}  // namespace
+#if defined(__AVX512BF16__)
+// W [n, k] (n a multiple of 32) dequantized into bf16 in pack_tiles' layout
+// (kvserve/model/linear.py, the AMX B tiles' own), straight from its blocks (quant_pack_tiles.h): a long
+// chunk's weight for linear_tiles_fma, without a dense copy to permute. `gated` (W = [gate; up]): the
+// 16-row blocks interleaved gate, up, gate, up (linear.py's _interleave_halves), for the gated epilogue.
+template <typename Block>
+at::Tensor dequantized_tiles(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, bool gated) {
+  constexpr int64_t kCols = tiles_fma::kBlockCols;
+  auto out = at::empty({n / kCols, k / 32, 512}, at::TensorOptions().dtype(at::kBFloat16));
+  uint16_t* dst = raw<c10::BFloat16>(out);
+  at::parallel_for(0, n / kCols, 1, [=](int64_t begin, int64_t end) {
+    uint16_t* rows_scratch = thread_scratch<uint16_t>(kCols * k);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = gated ? block % 2 * (n / 2) + block / 2 * kCols : block * kCols;
+      quant::pack_rows_into_tiles<Block>(w, row_bytes, n0, kCols, k, dst + block * kCols * k, rows_scratch);
+    }
+  });
+  return out;
+}
+#endif
 
-bool set_fma_products(bool enabled) { return fma_products.exchange(enabled); }
+}  // namespace
 
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gated) {
   RECORD_FUNCTION("kvserve::quant_linear", {});  // named in torch profiler traces
@@ -199,8 +218,12 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
     // Where a form returns the product, silu_mul follows it if gated.
     const auto gate = [gated](const at::Tensor& y) { return gated ? silu_mul(y) : y; };
 #if defined(__AVX512BF16__)
-    if (x.scalar_type() == at::kBFloat16 && rows > kLongChunkRows && (amx_permitted() || fma_products.load()))
+    const bool on_tiles = !amx_permitted() && tiles_fma::choice.panels.load();
+    if (x.scalar_type() == at::kBFloat16 && rows > kLongChunkRows && (amx_permitted() || on_tiles)) {
+      if (on_tiles && tiles_fma::choice.long_chunks.load() && n % 32 == 0 && k % 32 == 0)
+        return linear_tiles_fma(x, dequantized_tiles<Block>(w, row_bytes, n, k, gated), gated);
       return gate(at::linear(x, dequantized_bf16<Block>(w, row_bytes, n, k)));
+    }
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (x.scalar_type() == at::kBFloat16 && amx_permitted()) {
@@ -225,7 +248,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
     }
 #endif
 #if defined(__AVX512F__)
-    if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && fma_products.load()) {
+    if (x.scalar_type() == at::kBFloat16 && !amx_permitted() && tiles_fma::choice.panels.load()) {
       const bool fused = gated && (n / 2) % kStoredRows == 0;  // each half whole row groups
       const at::Tensor y = packed_x_times_panels<Block>(x, w, row_bytes, n, k, fused);
       return fused ? y : gate(y);

@@ -16,13 +16,35 @@
 // products per instruction against an FMA's 16; oneDNN's bf16 kernel is built on the same instruction).
 // The products are still exact bf16 x bf16 in float32; VDPBF16PS flushes subnormal inputs and results to
 // zero and adds the odd key's product before the even key's.
+//
+// Which form runs is the process's choice (set_tile_products, ops.h), not the build's: AMD's Zen 4 issues
+// VDPBF16PS at the FMA rate, so the bf16 form does twice the work per instruction there, while Intel's
+// cores issue it at half the FMA rate, where the float32 form is twice as fast (benchmarks/RESULTS.md,
+// "VDPBF16PS tiles" and "Both tile forms, chosen by a probe").
 #pragma once
 
+#include <atomic>
 #include <type_traits>
 
 #include "common.h"
 
 namespace kvserve::tiles_fma {
+
+// The process's tile products without AMX, as set_tile_products last set them (off until then):
+// - panels: quant_linear multiplies bf16 x in these register blocks (packed_x_times_panels);
+// - long_chunks: quant_linear's chunks past kLongChunkRows take linear_tiles_fma on W dequantized whole;
+// - bf16_pairs: the register blocks take bf16 `a` on VDPBF16PS, where the build has it.
+struct Choice {
+  std::atomic<bool> panels{false}, long_chunks{false}, bf16_pairs{false};
+};
+inline Choice choice;
+
+// Whether `a` may be bf16 (the VDPBF16PS form above).
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Pairs = true;
+#else
+constexpr bool kBf16Pairs = false;
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kBlockCols = 16;                 // columns per packed block
@@ -50,12 +72,15 @@ inline void widen_pairs(const uint16_t* p, WideLanes& even, WideLanes& odd) {
 #endif
 }
 
-// Whether `a` may be bf16 (the VDPBF16PS form above).
-#if defined(__AVX512BF16__)
-constexpr bool kBf16Pairs = true;
-#else
-constexpr bool kBf16Pairs = false;
-#endif
+// fn(float{}) or, where the build has the VDPBF16PS form and the process chose it, fn(uint16_t{}): the
+// element type of the register block's `a` operand as a compile-time type.
+template <typename Fn>
+decltype(auto) with_a_type(Fn&& fn) {
+  if constexpr (kBf16Pairs) {
+    if (choice.bf16_pairs.load(std::memory_order_relaxed)) return fn(uint16_t{});
+  }
+  return fn(float{});
+}
 
 // c[r][j] = sum over k of a[r * k + e] * B[32 * pair + j, e], for r < R and the 32 columns j of B's
 // column blocks 2 * pair and 2 * pair + 1 (k even). `a` is float32, or bf16 where kBf16Pairs.
