@@ -19,7 +19,7 @@ other. A peer whose weights are not known has no roof (its share is n/a), never 
 The GEMM rate: where the path multiplies bf16 natively and the activations are bf16 (dense bf16 weights,
 or GGUF blocks dequantized to bf16 panels: quant_linear_bf16.cpp), the higher of the bf16 and float32
 rates, since bf16 operands widen to float32 exactly and kvserve takes whichever its probe finds faster
-(kvserve/model/linear.py: batched_product_kernel; on Intel without AMX the float32 FMAs win); float32
+(kvserve/model/linear.py: batched_products; on Intel without AMX the float32 FMAs win); float32
 otherwise (without native bf16 kvserve widens bf16 to float32 and dequantizes blocks to float32 tiles; a
 peer holding its weights in float32 or GGUF blocks cannot multiply faster than the float32 rate either).
 """
