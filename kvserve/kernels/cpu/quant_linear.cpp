@@ -25,8 +25,6 @@
 // k at a time: the kXRows x vectors stay in registers, each tile vector is loaded once for kXRows
 // multiply-adds, and the kXRows x kWRows float32 accumulators are summed across lanes at the end:
 // 12 accumulators + 3 x + 1 tile vector fill AVX2's 16 registers.
-#include <atomic>
-
 #include "amx_product.h"
 #include "ops.h"
 #include "quant_linear_bf16.h"
@@ -182,10 +180,10 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
 #endif
 
 #if defined(__AVX512BF16__)
-// W [n, k] (n a multiple of 32) dequantized into bf16 in pack_tiles' layout
-// (kvserve/model/linear.py, the AMX B tiles' own), straight from its blocks (quant_pack_tiles.h): a long
-// chunk's weight for linear_tiles_fma, without a dense copy to permute. `gated` (W = [gate; up]): the
-// 16-row blocks interleaved gate, up, gate, up (linear.py's _interleave_halves), for the gated epilogue.
+// W [n, k] (n a multiple of 32) dequantized into bf16 in pack_tiles' layout (kvserve/model/linear.py, the
+// AMX B tiles' own), straight from its blocks (quant_pack_tiles.h): a long chunk's weight for
+// linear_tiles_fma, without a dense copy to permute. `gated` (W = [gate; up]): the 16-row blocks
+// interleaved gate, up, gate, up (linear.py's _interleave_halves), for the tiles' gated epilogue.
 template <typename Block>
 at::Tensor dequantized_tiles(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, bool gated) {
   constexpr int64_t kCols = tiles_fma::kBlockCols;
