@@ -390,14 +390,13 @@ def test_tile_kernels_gate_in_their_epilogue(tile_product, rows) -> None:
 
 @pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
 def test_tile_kernels_refuse_what_they_cannot_compute(tile_product) -> None:
-    product = tile_product
     packed = pack_tiles(torch.ones(64, 64, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16"):
-        product(torch.ones(4, 64), packed)
+        tile_product(torch.ones(4, 64), packed)
     with pytest.raises(RuntimeError, match="columns"):
-        product(torch.ones(4, 96, dtype=torch.bfloat16), packed)
+        tile_product(torch.ones(4, 96, dtype=torch.bfloat16), packed)
     with pytest.raises(RuntimeError, match="packed"):
-        product(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
+        tile_product(torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def float_slack(w: torch.Tensor, x: torch.Tensor, ref: torch.Tensor, dtype: torc
 
 @dataclass(frozen=True)
 class TileProducts:
-    """quant_linear's products of bf16 x without AMX (set_tile_products; long chunks follow the panels)."""
+    """quant_linear's products of bf16 x without AMX (set_tile_products)."""
 
     panels: bool  # on the tiles' register blocks, else on quant_linear_bf16's VDPBF16PS dots
     bf16_pairs: bool  # the register blocks on VDPBF16PS, else on float32 FMAs
