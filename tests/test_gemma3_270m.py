@@ -35,12 +35,14 @@ PROMPTS = [
 NEW_TOKENS = 32
 MARGIN = 0.02
 MIN_TEACHER_FORCED_AGREEMENT = 0.995
-# The int8 activations' shift of a top-1/top-2 margin: under 0.1 on the AVX2 Zen 2; on the AMX Xeon
-# (2026-12-03) one position of "Photosynthesis ..." differs from HF where HF's margin is 0.109. On Zen 4
-# (2026-12-05, Gemma's layer compiled) the last position of "import numpy ..." differs where HF's margin
-# is 0.230: given HF's own final hidden state there, the int8 LM head alone moves that margin by 0.13 and
-# some logit by 0.31, before the layers' int8 products add theirs.
-GEMV_MARGIN = 0.25
+# The int8 activations' shift of a top-1/top-2 margin. Measured over this test's 384 positions (teacher-forced,
+# kvserve's two most likely tokens against HF's logits for them; benchmarks/RESULTS.md, "Q6_K row groups"):
+# 0.05 at the median and 0.39 to 0.88 at the worst, across three builds whose results differ only in the order
+# of float32 sums (a head_rms_norm sum differing by 1e-6 moves some x across an int8 rounding boundary, and the
+# greedy path with it). A bound under that envelope fails on whichever build meets a near-tie first (it had
+# been raised from 0.1 to 0.25 that way), so it sits above it: a misplaced scale or element moves margins by
+# whole logits at many positions, which this and MIN_GEMV_AGREEMENT still catch.
+GEMV_MARGIN = 1.0
 # How many positions fall at such near-ties depends on the path each greedy run takes, which a change in the
 # order of the kernels' float32 sums alters: on Zen 4 (2026-12-05) the same weights gave 383 and 378 of 384
 # with Gemma's Q8_0 matrices in GGML's layout and in row groups, whose results agree to 1e-6 (benchmarks/
