@@ -47,6 +47,7 @@ NIBBLE_BYTES = {
     GGMLQuantizationType.Q4_1: slice(4, 20),
     GGMLQuantizationType.Q5_0: slice(6, 22),
     GGMLQuantizationType.Q4_K: slice(16, 144),
+    GGMLQuantizationType.Q6_K: slice(0, 128),  # ql; its qh bit pairs above them stay random
 }
 EDGE_SCALES = np.array([0.0, 65504.0, -65504.0, 2.0**-14, 2.0**-24, -(2.0**-24), 1.0], dtype=np.float16)
 
@@ -252,14 +253,20 @@ def test_row_groups_are_a_permutation_of_the_blocks(qtype: GGMLQuantizationType)
     assert sorted(grouped.blocks.flatten().tolist()) == sorted(blocks.flatten().tolist())
     torch.testing.assert_close(grouped.ggml_blocks(), ggml.blocks, rtol=0, atol=0)
     torch.testing.assert_close(grouped.dequantize(), ggml.dequantize(), rtol=0, atol=0)
-    # the layout quant_row_groups.h states: row 3's scale d of block 1, and its qs byte 4 * 2 + 1
+    # the layout quant_row_groups.h states: row 3's scale d of block 1, and its qs byte 4 * 2 + 1. A GGML
+    # block holds its fields, then its qs (Q6_K: its qs, then its fields); a group block its fields first.
     block_bytes = GGML_QUANT_SIZES[qtype][1]
     group_block = grouped.blocks[0, 8 * block_bytes : 16 * block_bytes].numpy()
     row3_block1 = blocks[3, block_bytes : 2 * block_bytes]
-    assert bytes(group_block[6:8]) == bytes(row3_block1[0:2])
-    qs_bytes = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128}.get(qtype, 16)
+    qs_bytes = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128, GGMLQuantizationType.Q6_K: 192}.get(
+        qtype, 16
+    )
     fields = block_bytes - qs_bytes
-    assert group_block[8 * fields + 32 * 2 + 4 * 3 + 1] == row3_block1[fields + 4 * 2 + 1]
+    fields_start, qs_start = (qs_bytes, 0) if qtype == GGMLQuantizationType.Q6_K else (0, fields)
+    d = SCALE_FIELDS[qtype][0]
+    d_in_group = 8 * (d - fields_start) + 2 * 3
+    assert bytes(group_block[d_in_group : d_in_group + 2]) == bytes(row3_block1[d : d + 2])
+    assert group_block[8 * fields + 32 * 2 + 4 * 3 + 1] == row3_block1[qs_start + 4 * 2 + 1]
 
 
 @pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
@@ -274,15 +281,13 @@ def test_dequantize_rows_gathers_rows_from_row_groups(kernels, qtype: GGMLQuanti
     torch.testing.assert_close(ours, reference(blocks, qtype, 32, k)[ids], rtol=0, atol=0)
 
 
-def test_only_whole_groups_of_grouped_types_are_interleaved() -> None:
+def test_only_whole_groups_are_interleaved() -> None:
     gen = np.random.default_rng(8)
-    q6k = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q6_K, 16, 256, gen)),
-                          GGMLQuantizationType.Q6_K, (16, 256))  # fmt: skip
-    odd = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q4_1, 12, 64, gen)),
-                          GGMLQuantizationType.Q4_1, (12, 64))  # fmt: skip
-    assert q6k.interleaved() is q6k and odd.interleaved() is odd
-    with pytest.raises(ValueError, match="row groups of 8"):
-        QuantizedTensor(q6k.blocks.view(2, -1), GGMLQuantizationType.Q6_K, (16, 256), ROW_GROUP_ROWS)
+    odd = QuantizedTensor(torch.from_numpy(random_blocks(GGMLQuantizationType.Q6_K, 12, 256, gen)),
+                          GGMLQuantizationType.Q6_K, (12, 256))  # fmt: skip
+    assert odd.interleaved() is odd
+    with pytest.raises(ValueError, match="row groups of 8"):  # 12 rows are not whole groups of 8
+        QuantizedTensor(torch.zeros(1, 8 * 210, dtype=torch.uint8), GGMLQuantizationType.Q6_K, (12, 256), 8)
 
 
 def row_group_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tuple:
@@ -352,15 +357,22 @@ def test_quant_gemv_on_row_groups_covers_every_tile_and_its_tail(kernels, qtype:
 
 @needs_quant_gemv
 @pytest.mark.parametrize("decode_step", [False, True], ids=["prefill step", "decode step"])
+@pytest.mark.parametrize("in_groups", [False, True], ids=["GGML's layout", "row groups"])
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_1], ids=lambda t: t.name)
-def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(kernels, qtype, decode_step) -> None:
+def test_quant_product_is_the_gemv_up_to_its_rows_and_the_panel_product_above(
+    kernels, qtype, in_groups, decode_step
+) -> None:
     gen = np.random.default_rng(60)
     n, k = 16, 256
-    grouped = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k)).interleaved()
+    grouped = QuantizedTensor(torch.from_numpy(random_blocks(qtype, n, k, gen)), qtype, (n, k))
+    if in_groups:
+        grouped = grouped.interleaved()
     x = torch.from_numpy(gen.standard_normal((1, k)).astype(np.float32))
     int8_rows = kernels.int8_max_rows(grouped.kernel_type)
-    grouped_rows = 16 if kernels.amx_available() else 128  # row groups: fewer where AMX makes panels cheap
-    assert int8_rows == (grouped_rows if qtype in ROW_GROUP_TYPES else 8)  # row groups, GGML's layout
+    grouped_rows = 128  # row groups: fewer where AMX makes panels cheap, fewest for Q6_K's costlier GEMV
+    if kernels.amx_available():
+        grouped_rows = 8 if qtype == GGMLQuantizationType.Q6_K else 16
+    assert int8_rows == (grouped_rows if in_groups else 8)
     most = int8_rows if decode_step else kernels.GEMV_MAX_ROWS
     for rows in sorted({1, 2, 3, most - 1, most, most + 1, most + 7}):
         xs = torch.cat([x * (i + 1) for i in range(rows)])

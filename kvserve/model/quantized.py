@@ -44,30 +44,36 @@ ROW_GROUP_TYPES = (
     GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
 )
 
 
 def _qs_bytes(qtype: GGMLQuantizationType) -> int:
-    """The bytes of a block's values (its qs), after its fields: 32 int8 for Q8_0, 256 nibbles for Q4_K,
-    32 nibbles else."""
-    return {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128}.get(qtype, 16)
+    """The bytes of a block's values (its qs): 32 int8 for Q8_0, 256 nibbles for Q4_K, Q6_K's 256 nibbles
+    and 256 bit pairs, 32 nibbles else."""
+    wide = {GGMLQuantizationType.Q8_0: 32, GGMLQuantizationType.Q4_K: 128, GGMLQuantizationType.Q6_K: 192}
+    return wide.get(qtype, 16)
 
 
 def _field_widths(qtype: GGMLQuantizationType) -> list[int]:
-    """The bytes of each field before a block's qs: f16 d, then Q4_1's f16 m, Q5_0's 32 fifth bits, or
-    Q4_K's f16 dmin and its 12 scale bytes one field each."""
-    widths = {GGMLQuantizationType.Q4_1: [2, 2], GGMLQuantizationType.Q5_0: [2, 4]}
-    return [2, 2] + [1] * 12 if qtype == GGMLQuantizationType.Q4_K else widths.get(qtype, [2])
+    """The bytes of each field of a block, in GGML's order: f16 d, then Q4_1's f16 m, Q5_0's 32 fifth bits,
+    or Q4_K's f16 dmin and its 12 scale bytes one field each; Q6_K's 16 scale bytes, then its f16 d."""
+    widths = {GGMLQuantizationType.Q4_1: [2, 2], GGMLQuantizationType.Q5_0: [2, 4],
+              GGMLQuantizationType.Q4_K: [2, 2] + [1] * 12, GGMLQuantizationType.Q6_K: [1] * 16 + [2]}  # fmt: skip
+    return widths.get(qtype, [2])
 
 
 @functools.cache
 def _row_group_order(qtype: GGMLQuantizationType) -> np.ndarray:
     """Byte b of a group block is byte order[b] of the group's eight GGML blocks laid end to end (row r's
-    block at r * block_bytes): each field of the eight rows, then the 32-byte qs vectors (four, Q8_0's
-    eight), byte 4r + t of vector j being byte 4j + t of row r's qs (quant_row_groups.h)."""
+    block at r * block_bytes): each field of the eight rows, then the 32-byte qs vectors, byte 4r + t of
+    vector j being byte 4j + t of row r's qs (quant_row_groups.h). A GGML block holds its fields before its
+    qs, but Q6_K's after."""
     block_bytes, qs_bytes = GGML_QUANT_SIZES[qtype][1], _qs_bytes(qtype)
     widths = _field_widths(qtype)
-    starts = np.cumsum([0, *widths])
+    qs_first = qtype == GGMLQuantizationType.Q6_K
+    fields_start, qs_start = (qs_bytes, 0) if qs_first else (0, block_bytes - qs_bytes)
+    starts = fields_start + np.cumsum([0, *widths])
     rows = range(ROW_GROUP_ROWS)
     order = [
         r * block_bytes + int(start) + c
@@ -75,9 +81,8 @@ def _row_group_order(qtype: GGMLQuantizationType) -> np.ndarray:
         for r in rows
         for c in range(w)
     ]
-    fields = int(starts[-1])
-    assert fields == block_bytes - qs_bytes, "the fields and qs make the block"
-    order += [r * block_bytes + fields + 4 * j + t for j in range(qs_bytes // 4) for r in rows for t in range(4)]
+    assert sum(widths) == block_bytes - qs_bytes, "the fields and qs make the block"
+    order += [r * block_bytes + qs_start + 4 * j + t for j in range(qs_bytes // 4) for r in rows for t in range(4)]
     return np.array(order)
 
 

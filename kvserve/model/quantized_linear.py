@@ -4,7 +4,7 @@ quantized kernels (kernels/cpu/quant_*.cpp).
 `quant_product` chooses the kernel (the compiled decode step calls the same): `quant_gemv` streams the
 blocks once with x quantized to int8 per 32 elements, for up to GEMV_MAX_ROWS rows, or in a decode step
 (`decode_step`: every row follows generated tokens) up to `int8_max_rows` (on row groups 128, or 16
-with AMX; 8 in GGML's layout); more rows, and prefill steps, take `quant_linear`, which dequantizes a
+with AMX, 8 for Q6_K's; 8 in GGML's layout); more rows, and prefill steps, take `quant_linear`, which dequantizes a
 panel of weight rows into a tile in cache and multiplies every row with it, exactly up to the order of
 the sums. The weights are read once per product at their quantized size either way. A prefill's KV
 serves every later token of its request, so it stays exact; a decode step's row makes one token, as

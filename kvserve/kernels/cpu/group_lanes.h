@@ -40,11 +40,15 @@ struct GroupLanes8 {
   static Int byte_lanes(const uint8_t* p, int64_t) {  // a field of one byte per row, widened to its lane
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
+  static Int signed_byte_lanes(const uint8_t* p, int64_t) {  // the same, each byte an int8
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   static Int bytes(int8_t v) { return _mm256_set1_epi8(v); }
   static Int dwords(int32_t v) { return _mm256_set1_epi32(v); }
   static Int zero() { return _mm256_setzero_si256(); }
   static Int each_128(__m128i v) { return _mm256_broadcastsi128_si256(v); }  // v in every 128-bit lane
   static Int srli16(Int v, int n) { return _mm256_srli_epi16(v, n); }
+  static Int slli16(Int v, int n) { return _mm256_slli_epi16(v, n); }
   static Int srli32(Int v, int n) { return _mm256_srli_epi32(v, n); }
   static Int slli32(Int v, int n) { return _mm256_slli_epi32(v, n); }
   static Int add32(Int a, Int b) { return _mm256_add_epi32(a, b); }
@@ -78,11 +82,17 @@ struct GroupLanes16 {
     const __m128i high = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride));
     return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high));
   }
+  static Int signed_byte_lanes(const uint8_t* p, int64_t stride) {
+    const __m128i low = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i high = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride));
+    return _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(low, high));
+  }
   static Int bytes(int8_t v) { return _mm512_set1_epi8(v); }
   static Int dwords(int32_t v) { return _mm512_set1_epi32(v); }
   static Int zero() { return _mm512_setzero_si512(); }
   static Int each_128(__m128i v) { return _mm512_broadcast_i32x4(v); }
   static Int srli16(Int v, int n) { return _mm512_srli_epi16(v, n); }
+  static Int slli16(Int v, int n) { return _mm512_slli_epi16(v, n); }
   static Int srli32(Int v, int n) { return _mm512_srli_epi32(v, n); }
   static Int slli32(Int v, int n) { return _mm512_slli_epi32(v, n); }
   static Int add32(Int a, Int b) { return _mm512_add_epi32(a, b); }

@@ -299,11 +299,17 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
 // AVX512-BF16"), hence 128 without AMX. With AMX, whose tiles make the panel product's own products
 // cheap and whose panels are packed straight from the row groups, the two cross at about 16 rows, and
 // decode steps of 32-64 rows ran 1.3-1.5x faster on the panels (RESULTS.md, "Quantized panels packed
-// into AMX tiles"), hence 16.
+// into AMX tiles"), hence 16; Q6_K's groups, whose GEMV unpacks six bits per value from two places (twice a
+// 4-bit type's work per row chunk), at about 8 (RESULTS.md, "Q6_K row groups").
 int64_t int8_max_rows(int64_t type) {
-  const int64_t grouped_rows = amx_permitted() ? 16 : 128;
-  return quant::visit_kernel_type(type, [=](auto block) -> int64_t {
-    return quant::rows_per_stored_row<decltype(block)>() > 1 ? grouped_rows : 8;
+  return quant::visit_kernel_type(type, [](auto block) -> int64_t {
+    using Block = decltype(block);
+    if constexpr (quant::rows_per_stored_row<Block>() == 1)
+      return 8;
+    else if (!amx_permitted())
+      return 128;
+    else
+      return std::is_same_v<Block, quant::RowGroup<quant::Q6_K>> ? 8 : 16;
   });
 }
 

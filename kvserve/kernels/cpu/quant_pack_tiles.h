@@ -3,11 +3,12 @@
 // on the same tiles as the dense bf16 weights. Each value is the one quant_blocks.h's dequantization
 // gives in bf16: the reference's float32 operations, then one rounding to nearest even.
 //
-// - Row groups of the 32-element types (Q4_0, Q4_1, Q5_0, Q8_0): straight from the groups' vectors. Two
-//   groups (16 rows) of vector t hold elements 4t .. 4t+3 of every row, a dword per row
-//   (quant_row_groups.h): widened to float32 a row at a time per four lanes, scaled by their rows' d
-//   (and m), rounded to bf16, they are the k pairs 2t and 2t + 1 of all 16 rows, which one two-source
-//   permutation per pair picks into a tile row. No transpose, no per-row scalar work.
+// - Row groups of the 32-element types (Q4_0, Q4_1, Q5_0, Q8_0) and of Q6_K: straight from the groups'
+//   vectors (Q6_K's unpacked as its GEMV unpacks them). Two groups (16 rows) of vector t hold elements
+//   4t .. 4t+3 of every row, a dword per row (quant_row_groups.h): widened to float32 a row at a time per
+//   four lanes, scaled by their rows' d (and m; Q6_K: d times the scale of their 16 elements), rounded to
+//   bf16, they are the k pairs 2t and 2t + 1 of all 16 rows, which one two-source permutation per pair
+//   picks into a tile row. No transpose, no per-row scalar work.
 // - Every other layout (GGML's, Q4_K's groups): the rows dequantized to bf16 as they lie
 //   (dequantize_rows_into), then each 16-row x 32-k slice transposed as 16 x 16 dwords.
 #pragma once
@@ -50,9 +51,12 @@ inline void transpose_16x16_dwords(const uint32_t* rows, int64_t stride, int64_t
 #ifdef KVSERVE_HAS_GROUP_LANES16
 template <typename Block>
 constexpr bool kPacksFromGroups = std::is_same_v<Block, RowGroup<Q4_0>> || std::is_same_v<Block, RowGroup<Q4_1>> ||
-                                  std::is_same_v<Block, RowGroup<Q5_0>> || std::is_same_v<Block, RowGroup<Q8_0>>;
+                                  std::is_same_v<Block, RowGroup<Q5_0>> || std::is_same_v<Block, RowGroup<Q8_0>> ||
+                                  std::is_same_v<Block, RowGroup<Q6_K>>;
 
-// The row-group form: `rows` 8 or 16 (one group or two; the second tile half zero for one).
+// The row-group form: `rows` 8 or 16 (one group or two; the second tile half zero for one). Tile s holds
+// the 32-element block s, or (Q6_K) chunk s % 8 of super-block s / 8, whose two 16-element halves each
+// have their rows' own scale d * scale byte.
 template <typename Group>
 void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t rows, int64_t k,
                             uint16_t* tiles) {
@@ -60,6 +64,7 @@ void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0
   constexpr bool kMin = std::is_same_v<Group, RowGroup<Q4_1>>;    // + m
   constexpr bool kFive = std::is_same_v<Group, RowGroup<Q5_0>>;   // fifth bits, - 16
   constexpr bool kEight = std::is_same_v<Group, RowGroup<Q8_0>>;  // signed bytes as they lie; else Q4_0: - 8
+  constexpr bool kSix = std::is_same_v<Group, RowGroup<Q6_K>>;    // ql nibbles, qh bit pairs, - 32
   const uint8_t* group = blocks + n0 / Group::kRows * row_bytes;
   const int64_t second = rows > Group::kRows ? row_bytes : 0;  // stride 0: the first group again, then zeroed
   const __mmask16 valid = rows > Group::kRows ? 0xFFFF : 0x00FF;
@@ -72,18 +77,16 @@ void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0
   // Dword n of a tile row: row n's pair, from the low 32 bf16 (rows 0-7, a qword each) or the high.
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  // The scale of each lane's row (lanes as `values` below hold them), from a vector of the 16 rows'.
+  const auto per_lane = [&](__m512 row_values, __m512* lanes) {
+    for (int c = 0; c < 4; ++c) lanes[c] = _mm512_permutexvar_ps(row_of_lane[c], row_values);
+  };
   for (int64_t s = 0; s < k / kDepth; ++s) {
-    const uint8_t* p = group + s * Group::kBytes;
+    const uint8_t* p = group + (kSix ? s / 8 : s) * Group::kBytes;
     uint16_t* tile = tiles + s * kTileElems;
-    const __m512 d = _mm512_maskz_mov_ps(valid, L::halves(p, second));
-    const __m512 m = kMin ? _mm512_maskz_mov_ps(valid, L::halves(p + 2 * Group::kRows, second)) : _mm512_setzero_ps();
-    __m512 row_d[4], row_m[4];
-    for (int c = 0; c < 4; ++c) {
-      row_d[c] = _mm512_permutexvar_ps(row_of_lane[c], d);
-      row_m[c] = _mm512_permutexvar_ps(row_of_lane[c], m);
-    }
-    // Vector t's values (elements 4t .. 4t+3 of the 16 rows, signed bytes) into tile rows 2t and 2t + 1.
-    const auto emit = [&](const int8_t* values, int t) {
+    // Vector t's values (elements 4t .. 4t+3 of the 16 rows, signed bytes) times their rows' scales (and
+    // plus Q4_1's m) into tile rows 2t and 2t + 1.
+    const auto emit = [&](const int8_t* values, int t, const __m512* row_d, const __m512* row_m) {
       __m512 f[4];
       for (int c = 0; c < 4; ++c) {
         const __m128i chunk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 16 * c));
@@ -97,11 +100,31 @@ void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0
       _mm512_storeu_si512(tile + (2 * t + 1) * 32, _mm512_permutex2var_epi32(low, odd, high));
     };
     const uint8_t* qs = p + Group::kQsOffset;
+    if constexpr (kSix) {
+      const int chunk = static_cast<int>(s % 8), h = chunk / 4, t = chunk % 4;  // quant_row_groups.h's indices
+      const __m512 d = _mm512_maskz_mov_ps(valid, L::halves(p + 16 * Group::kRows, second));
+      __m512 row_scale[2][4];  // the chunk's two 16-element halves
+      for (int half = 0; half < 2; ++half)
+        per_lane(d * L::to_float(L::signed_byte_lanes(p + Group::kRows * (2 * chunk + half), second)), row_scale[half]);
+      const __m512i mask = L::bytes(0xF), high_pair = L::bytes(0x30), offset = L::bytes(32);
+      for (int i = 0; i < 8; ++i) {
+        const __m512i low = L::load(qs + 32 * (16 * h + 8 * (t % 2) + i), second);
+        const __m512i high = L::load(qs + 32 * (32 + 8 * h + i), second);
+        const __m512i pair = 2 * t <= 4 ? L::slli16(high, 4 - 2 * t) : L::srli16(high, 2 * t - 4);
+        alignas(64) int8_t values[64];
+        _mm512_store_si512(values, _mm512_sub_epi8((L::srli16(low, 4 * (t / 2)) & mask) | (pair & high_pair), offset));
+        emit(values, i, row_scale[i / 4], nullptr);
+      }
+      continue;
+    }
+    __m512 row_d[4], row_m[4];
+    per_lane(_mm512_maskz_mov_ps(valid, L::halves(p, second)), row_d);
+    per_lane(kMin ? _mm512_maskz_mov_ps(valid, L::halves(p + 2 * Group::kRows, second)) : _mm512_setzero_ps(), row_m);
     if constexpr (kEight) {
       for (int t = 0; t < 8; ++t) {
         alignas(64) int8_t values[64];
         _mm512_store_si512(values, L::load(qs + 32 * t, second));
-        emit(values, t);
+        emit(values, t, row_d, row_m);
       }
     } else {
       const __m512i mask = L::bytes(0xF), qh = kFive ? L::load(p + 2 * Group::kRows, second) : L::zero();
@@ -114,7 +137,7 @@ void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0
           if constexpr (!kMin) q[h] = _mm512_sub_epi8(q[h], offset);
           alignas(64) int8_t values[64];
           _mm512_store_si512(values, q[h]);
-          emit(values, j + 4 * h);
+          emit(values, j + 4 * h, row_d, row_m);
         }
       }
     }

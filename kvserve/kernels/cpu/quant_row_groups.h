@@ -7,7 +7,9 @@
 //
 // Group block b of rows 8g .. 8g+7 (Base = Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K, whose blocks are [fields][qs]:
 // 16 qs bytes for the 4- and 5-bit types, 32 for Q8_0, 128 for Q4_K; the fields kFieldWidths: f16 d, then
-// Q4_1's f16 m, Q5_0's 32 fifth bits qh, Q4_K's f16 dmin and its 12 scale bytes one field each):
+// Q4_1's f16 m, Q5_0's 32 fifth bits qh, Q4_K's f16 dmin and its 12 scale bytes one field each; or Q6_K,
+// whose blocks are [qs][fields]: 192 qs bytes (its 128 bytes of low nibbles ql, then its 64 of high bit
+// pairs qh), then its 16 signed scale bytes one field each and its f16 d):
 //   [field 0 of rows 0-7][field 1 of rows 0-7] ... [qs: kQsBytes / 4 vectors of 32 bytes]
 // where byte 4r + t of qs vector j is byte 4j + t of row r's qs. A 4- or 5-bit type's qs byte holds
 // element i in its low nibble and element i + 16 in its high one (GGML's), so the low nibbles of vector j
@@ -16,6 +18,9 @@
 // elements 4j .. 4j+3 of each row as signed bytes. Q4_K's qs byte 32c + l holds element 64c + l low and
 // 64c + 32 + l high, so vector 8c + j holds elements 4j .. 4j+3 of sub-block 2c (low nibbles) and of
 // sub-block 2c + 1 (high); scale byte j of the eight rows is one 8-byte field, a lane per row once widened.
+// Q6_K's element 128h + 32t + l (h < 2, t < 4, l < 32) is nibble t / 2 of ql byte 64h + 32 (t % 2) + l
+// with bit pair t of qh byte 32h + l above it, so its 32 elements 4i .. 4i+3 of chunk 4h + t are in ql
+// vector 16h + 8 (t % 2) + i and qh vector 32 + 8h + i; its scale bytes are fields as Q4_K's.
 //
 // The matrix is uint8 [N / 8, K / kElems * kBytes]; a type number kRowGroupTypeOffset + Base::kType names
 // it to the kernels (kvserve/model/quantized.py: ROW_GROUP_TYPE_OFFSET, the same number).
@@ -38,30 +43,38 @@ constexpr std::array<int64_t, 2> field_widths(Q5_0) { return {2, 4}; }  // d, qh
 constexpr std::array<int64_t, 14> field_widths(Q4_K) {
   return {2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 }  // d, dmin, scales
+constexpr std::array<int64_t, 17> field_widths(Q6_K) {
+  return {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2};
+}  // scales, d (after the qs)
 
 template <typename Base>
 struct RowGroup {
   static_assert(std::is_same_v<Base, Q4_0> || std::is_same_v<Base, Q4_1> || std::is_same_v<Base, Q5_0> ||
-                std::is_same_v<Base, Q8_0> || std::is_same_v<Base, Q4_K>);
+                std::is_same_v<Base, Q8_0> || std::is_same_v<Base, Q4_K> || std::is_same_v<Base, Q6_K>);
   static constexpr int64_t kRows = 8, kElems = Base::kElems, kBytes = kRows * Base::kBytes;
   static constexpr int64_t kType = kRowGroupTypeOffset + Base::kType;
-  static constexpr int64_t kQsBytes = std::is_same_v<Base, Q8_0> ? 32 : std::is_same_v<Base, Q4_K> ? 128 : 16;
+  static constexpr int64_t kQsBytes = std::is_same_v<Base, Q8_0>   ? 32
+                                      : std::is_same_v<Base, Q4_K> ? 128
+                                      : std::is_same_v<Base, Q6_K> ? 192
+                                                                   : 16;
   static constexpr int64_t kQsVectors = kQsBytes / 4;
   static constexpr auto kFieldWidths = field_widths(Base{});
   static constexpr int64_t kFieldBytes = Base::kBytes - kQsBytes;
   static constexpr int64_t kQsOffset = kRows * kFieldBytes;
+  static constexpr bool kQsFirst = std::is_same_v<Base, Q6_K>;  // in GGML's block; a group's fields come first
   static_assert(std::accumulate(kFieldWidths.begin(), kFieldWidths.end(), int64_t{0}) == kFieldBytes);
 
   // Row r's block in GGML's layout (Base::kBytes bytes) from group block `group`.
   static void gather(const uint8_t* group, int64_t r, uint8_t* block) {
-    int64_t field_offset = 0, block_offset = 0;
+    int64_t field_offset = 0, block_offset = kQsFirst ? kQsBytes : 0;
     for (const int64_t width : kFieldWidths) {
       std::memcpy(block + block_offset, group + field_offset + width * r, width);
       field_offset += kRows * width;
       block_offset += width;
     }
+    const int64_t qs_offset = kQsFirst ? 0 : kFieldBytes;
     for (int64_t j = 0; j < kQsVectors; ++j)
-      std::memcpy(block + kFieldBytes + 4 * j, group + kQsOffset + 32 * j + 4 * r, 4);
+      std::memcpy(block + qs_offset + 4 * j, group + kQsOffset + 32 * j + 4 * r, 4);
   }
 
   // Row r's Base::kElems values of group block `group`, exactly as Base::dequantize (one row: the
@@ -78,7 +91,8 @@ struct RowGroup {
   template <typename Out>
   static void dequantize_group(const uint8_t* group, Out* out, int64_t stride) {
 #ifdef KVSERVE_QUANT_AVX2
-    if constexpr (!std::is_same_v<Base, Q4_K>) {  // Q4_K row by row: the panel product's fixed cost, not the GEMV's
+    // The K-quants row by row: the panel product's fixed cost, not the GEMV's.
+    if constexpr (!std::is_same_v<Base, Q4_K> && !std::is_same_v<Base, Q6_K>) {
       dequantize_group_avx2(group, out, stride);
       return;
     }
@@ -158,6 +172,8 @@ decltype(auto) visit_kernel_type(int64_t type, Fn&& fn) {
       return fn(RowGroup<Q5_0>{});
     case RowGroup<Q4_K>::kType:
       return fn(RowGroup<Q4_K>{});
+    case RowGroup<Q6_K>::kType:
+      return fn(RowGroup<Q6_K>{});
     case RowGroup<Q8_0>::kType:
       return fn(RowGroup<Q8_0>{});
   }
