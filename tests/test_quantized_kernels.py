@@ -287,7 +287,9 @@ def test_only_whole_groups_are_interleaved() -> None:
                           GGMLQuantizationType.Q6_K, (12, 256))  # fmt: skip
     assert odd.interleaved() is odd
     with pytest.raises(ValueError, match="row groups of 8"):  # 12 rows are not whole groups of 8
-        QuantizedTensor(torch.zeros(1, 8 * 210, dtype=torch.uint8), GGMLQuantizationType.Q6_K, (12, 256), 8)
+        QuantizedTensor(
+            torch.zeros(1, 8 * 210, dtype=torch.uint8), GGMLQuantizationType.Q6_K, (12, 256), ROW_GROUP_ROWS
+        )
 
 
 def row_group_case(qtype: GGMLQuantizationType, seed: int, max_rows: int) -> tuple:

@@ -116,5 +116,29 @@ inline typename L::Int fifth_bits(typename L::Int qh, int v) {
   return L::where_any_bit(spread, L::dwords(0x08040201 << (4 * (v % 2))), L::bytes(0x10));  // byte t: bit 4(v % 2) + t
 }
 
+// Q6_K's group block (quant_row_groups.h): scale byte j of the eight rows at 8j, their f16 d at kQ6KD, then
+// the qs vectors. Its 32-element chunk c (h = c / 4, t = c % 4) takes, per 16-element half, its rows' d times
+// their signed scale byte, and its values 4i .. 4i+3 of each row, unsigned 0-63, from a nibble of ql vector
+// 16h + 8 (t % 2) + i and a bit pair of qh vector 32 + 8h + i; the GEMV and the tile packing share both.
+constexpr int64_t kQ6KD = 16 * quant::RowGroup<quant::Q6_K>::kRows;
+
+template <typename L>
+inline void q6_k_chunk_scales(const uint8_t* p, int64_t stride, int chunk, typename L::Float d,
+                              typename L::Float* scales) {
+  for (int half = 0; half < 2; ++half)
+    scales[half] =
+        d * L::to_float(L::signed_byte_lanes(p + quant::RowGroup<quant::Q6_K>::kRows * (2 * chunk + half), stride));
+}
+
+template <typename L>
+inline typename L::Int q6_k_values(const uint8_t* qs, int64_t stride, int chunk, int i) {
+  const int h = chunk / 4, t = chunk % 4;
+  const typename L::Int low = L::load(qs + 32 * (16 * h + 8 * (t % 2) + i), stride);
+  const typename L::Int high = L::load(qs + 32 * (32 + 8 * h + i), stride);
+  const typename L::Int pair =
+      2 * t <= 4 ? L::slli16(high, 4 - 2 * t) : L::srli16(high, 2 * t - 4);  // bits 2t, 2t+1 at 4, 5
+  return (L::srli16(low, 4 * (t / 2)) & L::bytes(0xF)) | (pair & L::bytes(0x30));
+}
+
 }  // namespace kvserve
 #endif

@@ -401,34 +401,25 @@ inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
 }
 
 // Q6_K in row groups: per 256-element super-block the rows' d; per 32-element chunk its eight q vectors
-// (4-bit ql nibbles with 2-bit qh pairs above them, unsigned 0-63) and its two 16-element scale groups'
-// signed scales, a lane per row. Each scale group's integer dot starts at -32 times its x sum, so it ends
-// as the exact sum of (q - 32) x; a pair sum of q x (at most 2 * 63 * 127 = 16,002) and two of them fit
-// int16 without VNNI too. One vector of rows (V = 1), as Q4_K.
+// and its two 16-element scale groups' scales, a lane per row (group_lanes.h: q6_k_values, q6_k_chunk_scales). Each
+// scale group's integer dot starts at -32 times its x sum, so it ends as the exact sum of (q - 32) x; a pair sum of q x
+// (at most 2 * 63 * 127 = 16,002) and two of them fit int16 without VNNI too. One vector of rows (V = 1), as Q4_K.
 template <typename Group, int M, typename L, int V>
 inline void q6_k_row_group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
   static_assert(V == 1);
   using Int = typename L::Int;
   using Float = typename L::Float;
-  constexpr int64_t kScales = 0, kD = 16 * quant::RowGroup<quant::Q6_K>::kRows;  // field offsets in a group block
   const int64_t xblocks = x.k / kXBlock;
-  const Int mask = L::bytes(0xF), high_pair = L::bytes(0x30);
   Float acc[M];
   for (int m = 0; m < M; ++m) acc[m] = splat<Float>(0.f);
   const uint8_t* p = group;
   for (int64_t super = 0; super < xblocks / 8; ++super, p += Group::kBytes) {
-    const Float d = L::halves(p + kD, stride);
+    const Float d = L::halves(p + kQ6KD, stride);
     for (int chunk = 0; chunk < 8; ++chunk) {
-      const int h = chunk / 4, t = chunk % 4;
-      const Float scale[2] = {d * L::to_float(L::signed_byte_lanes(p + kScales + 8 * (2 * chunk), stride)),
-                              d * L::to_float(L::signed_byte_lanes(p + kScales + 8 * (2 * chunk + 1), stride))};
+      Float scale[2];
+      q6_k_chunk_scales<L>(p, stride, chunk, d, scale);
       Int q[8];  // elements 4i .. 4i+3 of the chunk, lane r
-      for (int i = 0; i < 8; ++i) {
-        const Int low = L::load(p + Group::kQsOffset + 32 * (16 * h + 8 * (t % 2) + i), stride);
-        const Int high = L::load(p + Group::kQsOffset + 32 * (32 + 8 * h + i), stride);
-        const Int pair = 2 * t <= 4 ? L::slli16(high, 4 - 2 * t) : L::srli16(high, 2 * t - 4);  // bits 2t, 2t+1 at 4, 5
-        q[i] = (L::srli16(low, 4 * (t / 2)) & mask) | (pair & high_pair);
-      }
+      for (int i = 0; i < 8; ++i) q[i] = q6_k_values<L>(p + Group::kQsOffset, stride, chunk, i);
       for (int m = 0; m < M; ++m) {
         const int64_t xi = m * xblocks + 8 * super + chunk;
         const int8_t* xq = x.q + xi * kXBlock;

@@ -101,18 +101,13 @@ void pack_groups_into_tiles(const uint8_t* blocks, int64_t row_bytes, int64_t n0
     };
     const uint8_t* qs = p + Group::kQsOffset;
     if constexpr (kSix) {
-      const int chunk = static_cast<int>(s % 8), h = chunk / 4, t = chunk % 4;  // quant_row_groups.h's indices
-      const __m512 d = _mm512_maskz_mov_ps(valid, L::halves(p + 16 * Group::kRows, second));
-      __m512 row_scale[2][4];  // the chunk's two 16-element halves
-      for (int half = 0; half < 2; ++half)
-        per_lane(d * L::to_float(L::signed_byte_lanes(p + Group::kRows * (2 * chunk + half), second)), row_scale[half]);
-      const __m512i mask = L::bytes(0xF), high_pair = L::bytes(0x30), offset = L::bytes(32);
+      const int chunk = static_cast<int>(s % 8);
+      __m512 half_scales[2], row_scale[2][4];  // the chunk's two 16-element halves
+      q6_k_chunk_scales<L>(p, second, chunk, _mm512_maskz_mov_ps(valid, L::halves(p + kQ6KD, second)), half_scales);
+      for (int half = 0; half < 2; ++half) per_lane(half_scales[half], row_scale[half]);
       for (int i = 0; i < 8; ++i) {
-        const __m512i low = L::load(qs + 32 * (16 * h + 8 * (t % 2) + i), second);
-        const __m512i high = L::load(qs + 32 * (32 + 8 * h + i), second);
-        const __m512i pair = 2 * t <= 4 ? L::slli16(high, 4 - 2 * t) : L::srli16(high, 2 * t - 4);
         alignas(64) int8_t values[64];
-        _mm512_store_si512(values, _mm512_sub_epi8((L::srli16(low, 4 * (t / 2)) & mask) | (pair & high_pair), offset));
+        _mm512_store_si512(values, _mm512_sub_epi8(q6_k_values<L>(qs, second, chunk, i), L::bytes(32)));
         emit(values, i, row_scale[i / 4], nullptr);
       }
       continue;
