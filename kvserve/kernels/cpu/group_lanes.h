@@ -5,6 +5,7 @@
 #include "quant_row_groups.h"
 
 #if defined(__AVX2__) && defined(__F16C__)
+#define KVSERVE_HAS_GROUP_LANES8 1
 namespace kvserve {
 
 // VNNI (AVX512-VNNI with VL, or AVX-VNNI) sums four u8 x s8 products straight into an int32 lane in one
@@ -114,6 +115,16 @@ inline typename L::Int fifth_bits(typename L::Int qh, int v) {
   const auto dword_bytes = L::each_128(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C));  // byte 0 of each dword
   const auto spread = L::shuffle8(qh, L::add8(dword_bytes, L::bytes(static_cast<int8_t>(v / 2))));
   return L::where_any_bit(spread, L::dwords(0x08040201 << (4 * (v % 2))), L::bytes(0x10));  // byte t: bit 4(v % 2) + t
+}
+
+// Q4_K's 6-bit scale and min of sub-block `sub` (0-7) for every row, from its twelve scale bytes widened
+// to a lane per row (s[j]: byte j of each row's scales): GGML's get_scale_min_k4 (quant_blocks.h:
+// scale_min) on the lanes. The GEMV and the panels' dequantization share it.
+template <typename L>
+inline void q4_k_scale_min(const typename L::Int* s, int sub, typename L::Int& sc, typename L::Int& mn) {
+  const auto six_bits = L::dwords(63), four_bits = L::dwords(0xF);
+  sc = sub < 4 ? s[sub] & six_bits : (s[sub + 4] & four_bits) | L::slli32(L::srli32(s[sub - 4], 6), 4);
+  mn = sub < 4 ? s[sub + 4] & six_bits : L::srli32(s[sub + 4], 4) | L::slli32(L::srli32(s[sub], 6), 4);
 }
 
 // Q6_K's group block (quant_row_groups.h): scale byte j of the eight rows at 8j, their f16 d at kQ6KD, then

@@ -347,7 +347,7 @@ inline void row_group_rows(const uint8_t* group, int64_t stride, const Activatio
 
 // Q4_K in row groups: per 256-element super-block the rows' d and dmin, and their 6-bit sub-block scales
 // and mins unpacked for all rows at once (each scale byte of the rows widened to a lane per row, then
-// GGML's bit arithmetic, get_scale_min_k4, on the lanes); per 32-element sub-block the 4-bit types' dots
+// GGML's bit arithmetic on the lanes: group_lanes.h, q4_k_scale_min); per 32-element sub-block the 4-bit types' dots
 // (int16 pair sums fit as Q4_0's do) times d * scale, and dmin * min times the sum of x taken off in a
 // chain of its own. One vector of rows (V = 1): the twelve scale vectors fill the registers.
 template <typename Group, int M, typename L, int V>
@@ -356,7 +356,7 @@ inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   using Int = typename L::Int;
   using Float = typename L::Float;
   const int64_t xblocks = x.k / kXBlock;
-  const Int mask = L::bytes(0xF), six_bits = L::dwords(63), four_bits = L::dwords(0xF);
+  const Int mask = L::bytes(0xF);
   Float acc[M], acc_offset[M];
   for (int m = 0; m < M; ++m) acc[m] = splat<Float>(0.f), acc_offset[m] = splat<Float>(0.f);
   const uint8_t* p = group;
@@ -365,8 +365,8 @@ inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
     Int s[12];  // byte j of each row's 12 scale bytes, lane r
     for (int j = 0; j < 12; ++j) s[j] = L::byte_lanes(p + 32 + 8 * j, stride);
     for (int sub = 0; sub < 8; ++sub) {
-      const Int sc = sub < 4 ? s[sub] & six_bits : (s[sub + 4] & four_bits) | L::slli32(L::srli32(s[sub - 4], 6), 4);
-      const Int mn = sub < 4 ? s[sub + 4] & six_bits : L::srli32(s[sub + 4], 4) | L::slli32(L::srli32(s[sub], 6), 4);
+      Int sc, mn;
+      q4_k_scale_min<L>(s, sub, sc, mn);
       const Float scale = d * L::to_float(sc), offset = dmin * L::to_float(mn);
       Int q[8];  // elements 4t .. 4t+3 of the sub-block, lane r: vectors 8 (sub / 2) + t, low or high nibbles
       for (int t = 0; t < 8; ++t) {

@@ -27,9 +27,9 @@
 // 12 accumulators + 3 x + 1 tile vector fill AVX2's 16 registers.
 #include "amx_product.h"
 #include "ops.h"
+#include "quant_group_dequantize.h"
 #include "quant_linear_bf16.h"
 #include "quant_pack_tiles.h"
-#include "quant_row_groups.h"
 #include "tiles_fma.h"
 
 namespace kvserve {

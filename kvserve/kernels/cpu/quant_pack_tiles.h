@@ -15,7 +15,7 @@
 
 #include "amx_product.h"
 #include "group_lanes.h"
-#include "quant_row_groups.h"
+#include "quant_group_dequantize.h"
 
 #if defined(__AVX512BF16__)
 namespace kvserve::quant {

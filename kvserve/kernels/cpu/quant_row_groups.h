@@ -51,6 +51,7 @@ template <typename Base>
 struct RowGroup {
   static_assert(std::is_same_v<Base, Q4_0> || std::is_same_v<Base, Q4_1> || std::is_same_v<Base, Q5_0> ||
                 std::is_same_v<Base, Q8_0> || std::is_same_v<Base, Q4_K> || std::is_same_v<Base, Q6_K>);
+  using BaseBlock = Base;
   static constexpr int64_t kRows = 8, kElems = Base::kElems, kBytes = kRows * Base::kBytes;
   static constexpr int64_t kType = kRowGroupTypeOffset + Base::kType;
   static constexpr int64_t kQsBytes = std::is_same_v<Base, Q8_0>   ? 32
@@ -78,86 +79,13 @@ struct RowGroup {
   }
 
   // Row r's Base::kElems values of group block `group`, exactly as Base::dequantize (one row: the
-  // embedding's gather; dequantize_group serves whole groups).
+  // embedding's gather; quant_group_dequantize.h serves whole groups).
   template <typename Out>
   static void dequantize_row(const uint8_t* group, int64_t r, Out* out) {
     uint8_t block[Base::kBytes];
     gather(group, r, block);
     Base::dequantize(block, out);
   }
-
-  // The eight rows of group block `group` dequantized into out + r * stride (row r's Base::kElems floats),
-  // exactly as Base::dequantize (and gguf) computes them.
-  template <typename Out>
-  static void dequantize_group(const uint8_t* group, Out* out, int64_t stride) {
-#ifdef KVSERVE_QUANT_AVX2
-    // The K-quants row by row: the panel product's fixed cost, not the GEMV's.
-    if constexpr (!std::is_same_v<Base, Q4_K> && !std::is_same_v<Base, Q6_K>) {
-      dequantize_group_avx2(group, out, stride);
-      return;
-    }
-#endif
-    for (int64_t r = 0; r < kRows; ++r) dequantize_row(group, r, out + r * stride);
-  }
-
- private:
-#ifdef KVSERVE_QUANT_AVX2
-  // dequantize_group for the 32-element types: a transpose of the qs vectors gives each row its GGML qs
-  // bytes, then the same vector operations as GGML's layout.
-  template <typename Out>
-  static void dequantize_group_avx2(const uint8_t* group, Out* out, int64_t stride) {
-    if constexpr (std::is_same_v<Base, Q8_0>) {
-      const __m256i* qs = reinterpret_cast<const __m256i*>(group + kQsOffset);
-      __m256i v[8];  // dword r of v[j]: row r's qs bytes 4j .. 4j+3
-      for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(qs + j);
-      // An 8 x 8 transpose of dwords: per 128-bit lane (rows 0-3, 4-7) pairs of j, then quads, then halves.
-      __m256i pairs[8], quads[8];
-      for (int j = 0; j < 8; j += 2) {
-        pairs[j] = _mm256_unpacklo_epi32(v[j], v[j + 1]);      // rows 0, 1 | 4, 5: j, j + 1
-        pairs[j + 1] = _mm256_unpackhi_epi32(v[j], v[j + 1]);  // rows 2, 3 | 6, 7
-      }
-      for (int h = 0; h < 2; ++h)      // h: j 0-3 or 4-7
-        for (int s = 0; s < 2; ++s) {  // s: rows 0, 1 | 4, 5 or rows 2, 3 | 6, 7
-          quads[4 * h + 2 * s] = _mm256_unpacklo_epi64(pairs[4 * h + s], pairs[4 * h + 2 + s]);  // row 2s | 2s + 4
-          quads[4 * h + 2 * s + 1] = _mm256_unpackhi_epi64(pairs[4 * h + s], pairs[4 * h + 2 + s]);
-        }
-      for (int p = 0; p < 4; ++p) {  // quads[p]: rows p | p + 4, j 0-3; quads[4 + p]: the same rows, j 4-7
-        const float d = half_to_float(group + 2 * p), d_high = half_to_float(group + 2 * (p + 4));
-        widen32<false>(_mm256_permute2x128_si256(quads[p], quads[4 + p], 0x20), d, d, 0.f, out + p * stride);
-        widen32<false>(_mm256_permute2x128_si256(quads[p], quads[4 + p], 0x31), d_high, d_high, 0.f,
-                       out + (p + 4) * stride);
-      }
-      return;
-    }
-    const __m256i* qs = reinterpret_cast<const __m256i*>(group + kQsOffset);
-    const __m256i v0 = _mm256_loadu_si256(qs), v1 = _mm256_loadu_si256(qs + 1);
-    const __m256i v2 = _mm256_loadu_si256(qs + 2), v3 = _mm256_loadu_si256(qs + 3);
-    // Dword r of v_j is row r's qs bytes 4j .. 4j+3; per 128-bit lane, rows 0-3 and 4-7.
-    const __m256i rows01 = _mm256_unpacklo_epi32(v0, v1), rows23 = _mm256_unpackhi_epi32(v0, v1);
-    const __m256i rows01_high = _mm256_unpacklo_epi32(v2, v3), rows23_high = _mm256_unpackhi_epi32(v2, v3);
-    const __m256i row_pairs[4] = {
-        _mm256_unpacklo_epi64(rows01, rows01_high), _mm256_unpackhi_epi64(rows01, rows01_high),
-        _mm256_unpacklo_epi64(rows23, rows23_high), _mm256_unpackhi_epi64(rows23, rows23_high)};  // rows p | p + 4
-    for (int p = 0; p < 4; ++p) {
-      dequantize_qs(_mm256_castsi256_si128(row_pairs[p]), group, p, out + p * stride);
-      dequantize_qs(_mm256_extracti128_si256(row_pairs[p], 1), group, p + 4, out + (p + 4) * stride);
-    }
-  }
-
-  // Row r's values from its 16 GGML-order qs bytes and its scale fields, as Base::dequantize does.
-  template <typename Out>
-  static void dequantize_qs(__m128i qs, const uint8_t* group, int64_t r, Out* out) {
-    const float d = half_to_float(group + 2 * r);
-    if constexpr (std::is_same_v<Base, Q4_1>)
-      widen32<true>(nibbles32(qs), d, d, half_to_float(group + 2 * kRows + 2 * r), out);
-    else if constexpr (std::is_same_v<Base, Q5_0>)
-      widen32<false>(
-          _mm256_sub_epi8(_mm256_or_si256(nibbles32(qs), high_bits32(group + 2 * kRows + 4 * r)), _mm256_set1_epi8(16)),
-          d, d, 0.f, out);
-    else
-      widen32<false>(_mm256_sub_epi8(nibbles32(qs), _mm256_set1_epi8(8)), d, d, 0.f, out);
-  }
-#endif
 };
 
 // The block layouts quant_gemv and quant_linear multiply: GGML's (any row count) and the row groups.
@@ -187,22 +115,6 @@ constexpr int64_t rows_per_stored_row() {
     return Block::kRows;
   else
     return 1;
-}
-
-// Weight rows n0 .. n0 + rows - 1 (n0 and rows whole groups in row groups) dequantized into tile
-// (row r at tile + r * k; float32, or bf16 bits as quant_blocks.h rounds them), in either layout.
-template <typename Block, typename Out>
-inline void dequantize_rows_into(const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t rows, int64_t k,
-                                 Out* tile) {
-  constexpr int64_t kRows = rows_per_stored_row<Block>();
-  for (int64_t r = 0; r < rows; r += kRows)
-    for (int64_t b = 0; b < k / Block::kElems; ++b) {
-      const uint8_t* block = blocks + (n0 + r) / kRows * row_bytes + b * Block::kBytes;
-      if constexpr (kRows == 1)
-        Block::dequantize(block, tile + r * k + b * Block::kElems);
-      else
-        Block::dequantize_group(block, tile + r * k + b * Block::kElems, k);
-    }
 }
 
 // Weight row `row` (K values) dequantized into out, in either layout, exactly as Block's base type does.
