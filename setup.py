@@ -93,7 +93,7 @@ def kernel_build() -> dict:
                     config.fingerprint_define(config.fingerprint(torch.__version__, isa)),
                 ]
             },
-            extra_link_args=config.LDFLAGS,
+            extra_link_args=list(config.LDFLAGS),
         )
         for isa in paths_to_build(config, os.environ.get("KVSERVE_BUILD_CPU_KERNELS", "1"))
     ]

@@ -187,6 +187,29 @@ def test_a_run_time_build_is_logged_before_and_after_and_only_once(
     assert "building CPU kernels for this CPU" in caplog.records[0].getMessage()
 
 
+def test_a_build_leaves_the_flags_and_the_fingerprint_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's JIT builder appends its own link flags to the lists it is given. Handed build_config's own, it
+    changed every later fingerprint of the process: the next load in it (after choice.cache_clear) built the
+    whole module again under another name, and its stamp sent the next process into a full build as well."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    before = fingerprint(build_config.HERE)
+
+    def jit_load(name: str, build_directory: str, **kwargs: list[str]) -> ModuleType:
+        kwargs["extra_ldflags"].append("-ltorch")  # as torch's load does
+        kwargs["extra_cflags"].append("-DTORCH_API_INCLUDE_EXTENSION_H")
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return ModuleType(name)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", jit_load)
+    cpu.build_for_this_cpu(AVX2, before, "sources edited")
+    assert build_config.LDFLAGS == ("-fopenmp",) and "-DTORCH_API_INCLUDE_EXTENSION_H" not in build_config.cflags(AVX2)
+    assert fingerprint(build_config.HERE) == before
+
+
 def test_a_process_waiting_for_another_build_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     lock = tmp_path / "kvserve-build.lock"
     holder = subprocess.Popen(

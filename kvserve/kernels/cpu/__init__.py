@@ -131,7 +131,7 @@ def build_for_this_cpu(isa: Isa, fingerprint: str, why: str) -> ModuleType:
             build_directory=str(directory),
             sources=SOURCES,
             extra_cflags=build_config.cflags(isa),
-            extra_ldflags=build_config.LDFLAGS,
+            extra_ldflags=list(build_config.LDFLAGS),  # a copy: torch appends to it
             verbose=False,
         )
         if not cached:

@@ -34,8 +34,10 @@ PREBUILT_NAME = "_prebuilt"
 # -fno-trapping-math (as torch itself is built): without it GCC will not vectorize floor().
 # -march=native: the build happens on the machine that runs it (the fingerprint checks that it does);
 # each path (ISAS) then switches off what lies above it.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
-LDFLAGS = ["-fopenmp"]
+# Tuples: torch's JIT builder appends its own link flags to the list it is given, and the fingerprint reads
+# these, so a list handed over would change every later fingerprint of the process (and the next load's hash).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
+LDFLAGS = ("-fopenmp",)
 # GCC's -mno-amx-tile leaves AMX-BF16 and AMX-INT8 on: each is switched off by name. -mno-avx512f switches
 # off every AVX-512 subset (BW, VL, BF16, ...), -mno-avx2 AVX-512 too.
 NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
