@@ -127,6 +127,14 @@ inline void q4_k_scale_min(const typename L::Int* s, int sub, typename L::Int& s
   mn = sub < 4 ? s[sub + 4] & six_bits : L::srli32(s[sub + 4], 4) | L::slli32(L::srli32(s[sub], 6), 4);
 }
 
+// Q4_K's values 4t .. 4t+3 of sub-block `sub` (0-7) of each row, unsigned 0-15 (quant_row_groups.h): the
+// low nibbles of qs vector 8 (sub / 2) + t for an even sub-block, the high ones for an odd one.
+template <typename L>
+inline typename L::Int q4_k_values(const uint8_t* qs, int64_t stride, int sub, int t) {
+  const typename L::Int w = L::load(qs + 32 * (8 * (sub / 2) + t), stride);
+  return (sub % 2 ? L::srli16(w, 4) : w) & L::bytes(0xF);
+}
+
 // Q6_K's group block (quant_row_groups.h): scale byte j of the eight rows at 8j, their f16 d at kQ6KD, then
 // the qs vectors. Its 32-element chunk c (h = c / 4, t = c % 4) takes, per 16-element half, its rows' d times
 // their signed scale byte, and its values 4i .. 4i+3 of each row, unsigned 0-63, from a nibble of ql vector

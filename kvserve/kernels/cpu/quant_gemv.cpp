@@ -356,7 +356,6 @@ inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   using Int = typename L::Int;
   using Float = typename L::Float;
   const int64_t xblocks = x.k / kXBlock;
-  const Int mask = L::bytes(0xF);
   Float acc[M], acc_offset[M];
   for (int m = 0; m < M; ++m) acc[m] = splat<Float>(0.f), acc_offset[m] = splat<Float>(0.f);
   const uint8_t* p = group;
@@ -368,11 +367,8 @@ inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
       Int sc, mn;
       q4_k_scale_min<L>(s, sub, sc, mn);
       const Float scale = d * L::to_float(sc), offset = dmin * L::to_float(mn);
-      Int q[8];  // elements 4t .. 4t+3 of the sub-block, lane r: vectors 8 (sub / 2) + t, low or high nibbles
-      for (int t = 0; t < 8; ++t) {
-        const Int w = L::load(p + Group::kQsOffset + 32 * (8 * (sub / 2) + t), stride);
-        q[t] = (sub % 2 ? L::srli16(w, 4) : w) & mask;
-      }
+      Int q[8];  // elements 4t .. 4t+3 of the sub-block, lane r
+      for (int t = 0; t < 8; ++t) q[t] = q4_k_values<L>(p + Group::kQsOffset, stride, sub, t);
       for (int m = 0; m < M; ++m) {
         const int64_t i = m * xblocks + 8 * super + sub;
         const int8_t* xq = x.q + i * kXBlock;

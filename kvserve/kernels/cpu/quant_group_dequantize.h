@@ -84,11 +84,8 @@ void dequantize_group(const uint8_t* group, Out* out, int64_t stride) {
       alignas(32) float scale[8], minus_offset[8];  // x - o == x + -o, as Q4_K::dequantize adds it
       _mm256_store_ps(scale, d * L::to_float(sc));
       _mm256_store_ps(minus_offset, -(dmin * L::to_float(mn)));
-      __m256i q[8];  // elements 4t .. 4t+3 of the sub-block: vector 8 (sub / 2) + t, low or high nibbles
-      for (int t = 0; t < 8; ++t) {
-        const __m256i w = L::load(qs + 32 * (8 * (sub / 2) + t), 0);
-        q[t] = (sub % 2 ? L::srli16(w, 4) : w) & L::bytes(0xF);
-      }
+      __m256i q[8];  // elements 4t .. 4t+3 of the sub-block
+      for (int t = 0; t < 8; ++t) q[t] = q4_k_values<L>(qs, 0, sub, t);
       widen_rows<true>(q, scale, scale, minus_offset, out + 32 * sub, stride);
     }
   } else if constexpr (std::is_same_v<Base, Q6_K>) {
