@@ -1,5 +1,6 @@
 // The AMX product shared by linear_amx and quant_linear (amx_product.h).
 #include "amx_product.h"
+#include "work_claims.h"
 
 namespace kvserve::amx_product {
 
@@ -95,7 +96,7 @@ at::Tensor linear(const at::Tensor& x, int64_t n, bool gated, const PairTiles& t
   const uint16_t* tail_data =
       tail_rows > 0 ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t pair_columns = gated ? kCols : 2 * kCols, pairs = (columns + pair_columns - 1) / pair_columns;
-  at::parallel_for(0, pairs, 1, [=, &tiles](int64_t begin, int64_t end) {
+  parallel_claims(0, pairs, [=, &tiles](int64_t begin, int64_t end) {
     uint16_t* scratch = thread_scratch<uint16_t>(kScratchRows * k);
     const TileConfig config = tile_config();
     _tile_loadconfig(&config);

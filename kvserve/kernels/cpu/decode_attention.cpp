@@ -1,6 +1,7 @@
 // Decode attention over the paged KV cache (the reference: kernels/attention_ref.py).
 #include "decode_attention.h"
 #include "ops.h"
+#include "work_claims.h"
 
 namespace kvserve {
 
@@ -142,7 +143,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
   const int64_t width = padded_width(dim);
   const int64_t heads = heads_per_item(p);
   const int64_t items_per_seq = hkv / heads;
-  at::parallel_for(0, p.num_seqs * items_per_seq, 1, [=](int64_t begin, int64_t end) {
+  parallel_claims(0, p.num_seqs * items_per_seq, [=](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
     // This item's tile, regrouped [head][key][d] and widened (V's padding stays 0).
     std::vector<float> qf, acc, m, l, kf(heads * kTile * dim), vf(heads * kTile * width, 0.f);

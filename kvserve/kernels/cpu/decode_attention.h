@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.h"
+#include "work_claims.h"
 
 namespace kvserve {
 
@@ -67,7 +68,8 @@ inline int64_t chunk_keys_end(int64_t slen, int64_t qlen, int64_t group, int64_t
   return slen - qlen + query_row(first_row + rows - 1, 0, group).token + 1;
 }
 
-// Contiguous ranges of work items, one per thread, of about equal cost. Item i is sequence
+// Contiguous ranges of work items (parts), of about equal cost, for the threads to claim (work_claims.h):
+// claim_count's number, so a preempted thread holds up a call by one part. Item i is sequence
 // seq_ids[i / items_per_seq] and `heads` of its KV heads (items_per_seq = hkv / heads). A step mixing
 // prefill chunks with decode rows has items whose costs differ 100-fold, so equal item counts
 // (at::parallel_for's split) could leave one thread with all the prefill. Cost of an item: per head, for
@@ -88,7 +90,7 @@ class ItemSplit {
       }
       cost_[item + 1] = cost_[item] + heads * cost;
     }
-    parts_ = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+    parts_ = claim_count(items);
   }
   int64_t parts() const { return parts_; }
   // The first item of part `part` (part == parts(): one past the last item).

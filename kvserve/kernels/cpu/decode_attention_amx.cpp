@@ -24,6 +24,7 @@
 // same softmax: the reference cancels in out / l.
 #include "amx.h"
 #include "decode_attention.h"
+#include "work_claims.h"
 
 #include <atomic>
 
@@ -223,7 +224,7 @@ bool decode_attention_amx(const DecodeProblem& p, const uint16_t* q, const uint1
   const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
   const int64_t dim_chunks = dim / kDimsPerChunk;
   const ItemSplit split(p, 1, kChunkRows, kStepKeys);
-  at::parallel_for(0, split.parts(), 1, [=, &split](int64_t first_part, int64_t last_part) {
+  parallel_claims(0, split.parts(), [=, &split](int64_t first_part, int64_t last_part) {
     const int64_t begin = split.first_item(first_part), end = split.first_item(last_part);
     const FlushDenormals ftz;
     const TileConfig config = tile_config();

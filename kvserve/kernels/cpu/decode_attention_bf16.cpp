@@ -17,6 +17,7 @@
 // - a tile's P.V keeps the output of up to kRowsPerPass rows in registers and pairs each two V rows once
 //   for all of them (a decode step's 3 query heads per KV head, in SmolLM2).
 #include "decode_attention.h"
+#include "work_claims.h"
 
 #include <atomic>
 
@@ -206,7 +207,7 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
     return Item{p.seq_ids[item / items_per_seq], item % items_per_seq * heads};
   };
   const ItemSplit split(p, heads, kChunkRows, kTile);
-  at::parallel_for(0, split.parts(), 1, [=, &split](int64_t first_part, int64_t last_part) {
+  parallel_claims(0, split.parts(), [=, &split](int64_t first_part, int64_t last_part) {
     const int64_t begin = split.first_item(first_part), end = split.first_item(last_part);
     const FlushDenormals ftz;
     const int64_t max_rows = heads * kChunkRows;

@@ -16,6 +16,7 @@
 // up columns, and the epilogue stores silu(gate) * up.
 #include "ops.h"
 #include "tiles_fma.h"
+#include "work_claims.h"
 
 namespace kvserve {
 
@@ -71,7 +72,7 @@ at::Tensor linear_tiles_fma(at::Tensor x, at::Tensor packed, bool gated) {
     const X* x_data = static_cast<const X*>(xs.data_ptr());
     // Each thread walks its own run of 32-column blocks front to back and reuses each for every row block
     // while it sits in L1/L2, as linear_amx does.
-    at::parallel_for(0, n / (2 * kBlockCols), 1, [=](int64_t begin, int64_t end) {
+    parallel_claims(0, n / (2 * kBlockCols), [=](int64_t begin, int64_t end) {
       for (int64_t pair = begin; pair < end; ++pair) {
         for (int64_t block = 0; block < full_blocks; ++block)
           block_product<kRows>(x_data, w, k, block * kRows, pair, n, gated, out);

@@ -18,6 +18,7 @@
 #include "common.h"
 #include "group_lanes.h"
 #include "ops.h"
+#include "work_claims.h"
 
 namespace kvserve {
 
@@ -231,9 +232,21 @@ inline void for_row_chunks(int64_t rows, Fn&& fn) {
   }(std::make_integer_sequence<int, kRowChunk - 1>{});
 }
 
+// fn over [0, items) on the threads: one contiguous share each (at::parallel_for, at least `grain` items)
+// at one or two rows of x, where the product streams W and claims ran it slower; claimed as the threads
+// go for more rows (work_claims.h; benchmarks/RESULTS.md, "Work claimed as threads go").
+template <typename Fn>
+void split_work(int64_t rows, int64_t items, int64_t grain, const Fn& fn) {
+  if (rows <= kGemvMaxRows) {
+    at::parallel_for(0, items, grain, fn);
+  } else {
+    parallel_claims(0, items, fn);
+  }
+}
+
 template <typename Block, typename Out>
 void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int64_t rows, Out* y, int64_t n_total) {
-  at::parallel_for(0, n_total, 64, [&](int64_t begin, int64_t end) {
+  split_work(rows, n_total, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; n += kWeightRows) {
       for_row_chunks(rows, [&](int64_t m, auto chunk) {
         constexpr int M = decltype(chunk)::value;
@@ -492,7 +505,7 @@ void row_group_kernel(const uint8_t* w, int64_t group_bytes, const Activations& 
 #else
   constexpr int64_t kTile = 1;
 #endif
-  at::parallel_for(0, (outputs + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
+  split_work(rows, (outputs + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
     const auto tile = [&]<typename L, int V>(int64_t g) {
       row_group_tile<Group, L, V>(w, group_bytes, x, rows, y, columns, g, gate_groups);

@@ -31,6 +31,7 @@
 #include "quant_linear_bf16.h"
 #include "quant_pack_tiles.h"
 #include "tiles_fma.h"
+#include "work_claims.h"
 
 namespace kvserve {
 namespace {
@@ -114,7 +115,7 @@ template <typename Block>
 at::Tensor dequantized_bf16(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k) {
   auto out = at::empty({n, k}, at::TensorOptions().dtype(at::kBFloat16));
   uint16_t* dst = raw<c10::BFloat16>(out);
-  at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [=](int64_t begin, int64_t end) {
+  parallel_claims(0, (n + kPanelRows - 1) / kPanelRows, [=](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t n0 = panel * kPanelRows;
       quant::dequantize_rows_into<Block>(w, row_bytes, n0, std::min(kPanelRows, n - n0), k, dst + n0 * k);
@@ -145,7 +146,7 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
   uint16_t* ys = raw<c10::BFloat16>(y);
   const int64_t panels = (columns + kPanelRows - 1) / kPanelRows;
   with_a_type([&](auto a_type) {
-    at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
+    parallel_claims(0, panels, [=](int64_t begin, int64_t end) {
       using Tile = decltype(a_type);
       const FlushDenormals ftz;
       Tile* tile = thread_scratch<Tile>(2 * kPanelRows * k);  // gated: the panel's gate rows, then its up rows
@@ -189,7 +190,7 @@ at::Tensor dequantized_tiles(const uint8_t* w, int64_t row_bytes, int64_t n, int
   constexpr int64_t kCols = tiles_fma::kBlockCols;
   auto out = at::empty({n / kCols, k / 32, 512}, at::TensorOptions().dtype(at::kBFloat16));
   uint16_t* dst = raw<c10::BFloat16>(out);
-  at::parallel_for(0, n / kCols, 1, [=](int64_t begin, int64_t end) {
+  parallel_claims(0, n / kCols, [=](int64_t begin, int64_t end) {
     uint16_t* rows_scratch = thread_scratch<uint16_t>(kCols * k);
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n0 = gated ? block % 2 * (n / 2) + block / 2 * kCols : block * kCols;
@@ -274,7 +275,7 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
     const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
     KVSERVE_DISPATCH(x.scalar_type(), [&] {
       raw_t<scalar_t>* ys = raw<scalar_t>(y);
-      at::parallel_for(0, panels, 1, [=](int64_t begin, int64_t end) {
+      parallel_claims(0, panels, [=](int64_t begin, int64_t end) {
         float* tile = thread_scratch<float>(kPanelRows * k);
         for (int64_t panel = begin; panel < end; ++panel) {
           const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);

@@ -7,6 +7,7 @@
 // dot-product form, 32 products per instruction: kXRows x kWRows float32 accumulators of 16 lanes,
 // summed across lanes at the end (16 accumulators + 4 x + 1 weight vector of AVX-512's 32 registers).
 #include "quant_linear_bf16.h"
+#include "work_claims.h"
 
 namespace kvserve::bf16_panel {
 
@@ -54,7 +55,7 @@ void panel_times_x_dot(const uint16_t* panel, int64_t w_rows, const uint16_t* x,
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t n, const DequantizeRows& dequantize, uint16_t* y) {
   TORCH_CHECK(k % kDepth == 0, "bf16 panel product: k must be a multiple of ", kDepth, ", got ", k);
   const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
-  at::parallel_for(0, panels, 1, [=, &dequantize](int64_t begin, int64_t end) {
+  parallel_claims(0, panels, [=, &dequantize](int64_t begin, int64_t end) {
     uint16_t* panel = thread_scratch<uint16_t>(kPanelRows * k);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
