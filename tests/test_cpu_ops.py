@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -128,6 +131,61 @@ def test_silu_mul_over_the_whole_range(kernels, dtype: torch.dtype) -> None:
     # exp is a polynomial here and Sleef's in torch: a few float32 ulps apart.
     tol = 1e-6 if dtype == torch.float32 else 2**-7
     assert bool(((out.float() - ref.float()).abs() <= tol * ref.float().abs() + 1e-30).all())
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_kernels_release_the_gil_for_more_rows_than_a_gemv_takes(kernels, rows: int) -> None:
+    """A Python thread runs while a kernel computes more than GEMV_MAX_ROWS rows (bindings.cpp:
+    without_gil_when_long), and not while it computes fewer. With the GIL held, another thread's Python
+    runs only at the edges of a call (between the caller's bytecodes, for a few switch intervals), never
+    in the middle half of a call 200 intervals long. The kernel runs on one thread, so that the other
+    thread has a core of its own and the edges stay short."""
+    interval, threads = sys.getswitchinterval(), torch.get_num_threads()
+    sys.setswitchinterval(1e-4)
+    torch.set_num_threads(1)
+    try:
+        width = 2**16
+        while True:  # a silu_mul that lasts 200 switch intervals on this path
+            gate_up = torch.randn(rows, width)
+            started = time.perf_counter()
+            kernels.silu_mul(gate_up)
+            if time.perf_counter() - started >= 200 * sys.getswitchinterval() or rows * width >= 2**26:
+                break
+            width *= 2
+        calls, stamps = calls_beside_a_ticking_thread(lambda: kernels.silu_mul(gate_up), 5)
+    finally:
+        sys.setswitchinterval(interval)
+        torch.set_num_threads(threads)
+    middles = [(a + (b - a) / 4, b - (b - a) / 4) for a, b in calls]
+    ticks_inside = sum(any(lo < t < hi for lo, hi in middles) for t in stamps)
+    if rows > kernels.GEMV_MAX_ROWS:
+        assert ticks_inside > 0, f"no tick of another thread fell inside {len(calls)} calls of {rows} x {width}"
+    else:
+        assert ticks_inside == 0, f"{ticks_inside} ticks of another thread fell inside calls of {rows} x {width}"
+
+
+def calls_beside_a_ticking_thread(call, times: int) -> tuple[list[tuple[float, float]], list[float]]:
+    """(start, end) of each of `times` calls, and the perf_counter readings of a thread that reads it
+    in a loop meanwhile."""
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    calls = []
+    try:
+        for _ in range(times):
+            started = time.perf_counter()
+            call()
+            calls.append((started, time.perf_counter()))
+    finally:
+        done.set()
+        ticker.join()
+    return calls, stamps
 
 
 CASES = [
