@@ -24,14 +24,29 @@ struct Output {
   bool gated;
 };
 
-// One 32 x 32 block of the product (16 x 32 with one row tile): the rows of x from `a0` on (16 x
-// kRowTiles of them, readable; stride k) times the pair's tiles b0 and b1 (k_steps tiles each), stored
-// as y's rows m0 .. m0 + valid_rows - 1.
+// Where row tile `first_row`'s results go: the tile's rows are x's rows first_row .. first_row + 15
+// (fewer when x has fewer than 16), of which the first `skip` were stored by the tile before it.
+struct RowTile {
+  int64_t first_row, skip, rows;
+};
+
+// Row tile i of x's `rows` rows (rows >= 16): tiles lie 16 rows apart, except that the last one, when
+// rows is no multiple of 16, ends at x's last row and overlaps the one before. So every tile reads 16
+// of x's own rows: no zero-padded copy of a partial tile, which cost about as much per call as the
+// product of a small weight itself (benchmarks/RESULTS.md, "Figures behind the code's rules").
+RowTile row_tile(int64_t i, int64_t rows) {
+  const int64_t first = std::min(i * kRows, rows - kRows);
+  return {first, i * kRows - first, kRows};
+}
+
+// One 32 x 32 block of the product (16 x 32 with one row tile): row tiles t0 (and t1) of x times the
+// pair's tiles b0 and b1 (k_steps tiles each), the rows of each tile that are its own stored in y.
 template <int kRowTiles>
-void block_product(const uint16_t* a0, const uint16_t* b0, const uint16_t* b1, int64_t k_steps, int64_t k, int64_t m0,
-                   int64_t valid_rows, const Output& out) {
+void block_product(const uint16_t* x, const RowTile& t0, const RowTile& t1, const uint16_t* b0, const uint16_t* b1,
+                   int64_t k_steps, int64_t k, const Output& out) {
   static_assert(kRowTiles == 1 || kRowTiles == 2);
-  const uint16_t* a1 = a0 + kRows * k;
+  const uint16_t* a0 = x + t0.first_row * k;
+  const uint16_t* a1 = x + t1.first_row * k;
   _tile_zero(TILE_C00);
   _tile_zero(TILE_C01);
   if constexpr (kRowTiles == 2) {
@@ -61,14 +76,18 @@ void block_product(const uint16_t* a0, const uint16_t* b0, const uint16_t* b1, i
     _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((uint32_t{1} << std::min<int64_t>(columns, 16)) - 1),
                              (__m256i)_mm512_cvtneps_pbh(v));
   };
-  for (int64_t r = 0; r < valid_rows; ++r) {
-    const __m512 left = _mm512_load_ps(&c[r][0]), right = _mm512_load_ps(&c[r][kCols]);
-    uint16_t* row = out.y + (m0 + r) * out.stride + out.column;
-    if (out.gated) {  // left: 16 gate columns, right: their up columns
-      store(row, silu_times(left, right), kCols);
-    } else {
-      store(row, left, out.valid_columns);
-      if (out.valid_columns > kCols) store(row + kCols, right, out.valid_columns - kCols);
+  for (int tile = 0; tile < kRowTiles; ++tile) {
+    const RowTile& t = tile == 0 ? t0 : t1;
+    for (int64_t r = t.skip; r < t.rows; ++r) {
+      const float* result = c[tile * kRows + r];
+      const __m512 left = _mm512_load_ps(result), right = _mm512_load_ps(result + kCols);
+      uint16_t* row = out.y + (t.first_row + r) * out.stride + out.column;
+      if (out.gated) {  // left: 16 gate columns, right: their up columns
+        store(row, silu_times(left, right), kCols);
+      } else {
+        store(row, left, out.valid_columns);
+        if (out.valid_columns > kCols) store(row + kCols, right, out.valid_columns - kCols);
+      }
     }
   }
 }
@@ -83,34 +102,25 @@ at::Tensor linear(const at::Tensor& x, int64_t n, bool gated, const PairTiles& t
   if (rows == 0) return y;
   const uint16_t* x_data = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // Whole 32-row blocks are read from x as it lies. Tile loads read 16 whole rows, so the last rows
-  // (fewer than 32) are copied into a zero-padded block of one or two tiles: padding all of x would
-  // copy every row of every product.
-  const int64_t full_blocks = rows / (2 * kRows), tail_rows = rows % (2 * kRows);
-  const int64_t tail_tiles = (tail_rows + kRows - 1) / kRows;
-  at::Tensor tail;
-  if (tail_rows > 0) {
-    tail = at::zeros({tail_tiles * kRows, k}, x.options());
-    tail.narrow(0, 0, tail_rows).copy_(x.narrow(0, full_blocks * 2 * kRows, tail_rows));
-  }
-  const uint16_t* tail_data =
-      tail_rows > 0 ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
+  // Row tiles read x in place (row_tile). With fewer than 16 rows in all, the one row tile and its
+  // results are configured that many rows tall, so its loads read no row past x's end.
+  const int64_t row_tiles = (rows + kRows - 1) / kRows;
+  const auto tile_at = [rows](int64_t i) { return rows < kRows ? RowTile{0, 0, rows} : row_tile(i, rows); };
   const int64_t pair_columns = gated ? kCols : 2 * kCols, pairs = (columns + pair_columns - 1) / pair_columns;
   parallel_claims(0, pairs, [=, &tiles](int64_t begin, int64_t end) {
     uint16_t* scratch = thread_scratch<uint16_t>(kScratchRows * k);
-    const TileConfig config = tile_config();
+    TileConfig config = tile_config();
+    if (rows < kRows) {
+      for (const int t : {TILE_A0, TILE_C00, TILE_C01}) config.rows[t] = static_cast<uint8_t>(rows);
+    }
     _tile_loadconfig(&config);
     for (int64_t pair = begin; pair < end; ++pair) {
       const uint16_t* b0 = tiles(pair, scratch);
       const uint16_t* b1 = b0 + k_steps * kTileElems;
       const Output o{out, columns, pair * pair_columns, std::min(pair_columns, columns - pair * pair_columns), gated};
-      for (int64_t block = 0; block < full_blocks; ++block) {
-        const int64_t m0 = block * 2 * kRows;
-        block_product<2>(x_data + m0 * k, b0, b1, k_steps, k, m0, 2 * kRows, o);
-      }
-      const int64_t m0 = full_blocks * 2 * kRows;
-      if (tail_tiles == 2) block_product<2>(tail_data, b0, b1, k_steps, k, m0, tail_rows, o);
-      if (tail_tiles == 1) block_product<1>(tail_data, b0, b1, k_steps, k, m0, tail_rows, o);
+      int64_t t = 0;
+      for (; t + 2 <= row_tiles; t += 2) block_product<2>(x_data, tile_at(t), tile_at(t + 1), b0, b1, k_steps, k, o);
+      if (t < row_tiles) block_product<1>(x_data, tile_at(t), tile_at(t), b0, b1, k_steps, k, o);
     }
     _tile_release();
   });
