@@ -24,19 +24,36 @@ struct Output {
   bool gated;
 };
 
-// Where row tile `first_row`'s results go: the tile's rows are x's rows first_row .. first_row + 15
-// (fewer when x has fewer than 16), of which the first `skip` were stored by the tile before it.
+// Where row tile `first_row`'s results go: the tile's rows are x's rows first_row .. first_row + rows - 1,
+// of which the first `skip` were stored by the tile before it.
 struct RowTile {
   int64_t first_row, skip, rows;
 };
 
-// Row tile i of x's `rows` rows (rows >= 16): tiles lie 16 rows apart, except that the last one, when
-// rows is no multiple of 16, ends at x's last row and overlaps the one before. So every tile reads 16
-// of x's own rows: no zero-padded copy of a partial tile, which cost about as much per call as the
-// product of a small weight itself (benchmarks/RESULTS.md, "Figures behind the code's rules").
+// Row tile i of x's `rows` rows. Every tile reads x's own rows, so no zero-padded copy of a partial
+// tile is made (it cost about as much per call as the product of a small weight itself:
+// benchmarks/RESULTS.md, "Figures behind the code's rules"):
+// - under 32 rows (one block: decode batches and the steps that verify their drafts), the last tile
+//   is configured as tall as the rows it has (short_tile_rows), so its products take only those rows;
+// - from 32 rows on, tiles lie 16 rows apart, except that the last one, when rows is no multiple of
+//   16, ends at x's last row and overlaps the one before (the tiles of every block keep one shape).
 RowTile row_tile(int64_t i, int64_t rows) {
+  if (rows < 2 * kRows) return {i * kRows, 0, std::min(kRows, rows - i * kRows)};
   const int64_t first = std::min(i * kRows, rows - kRows);
   return {first, i * kRows - first, kRows};
+}
+
+// The tile configuration for x's `rows` rows: under 32, the last tile's operand and result tiles are
+// configured to its rows.
+TileConfig tile_config_for_rows(int64_t rows) {
+  TileConfig config = tile_config();
+  const int64_t last_rows = rows % kRows;
+  if (rows < 2 * kRows && last_rows > 0) {
+    const bool first = rows < kRows;  // the one tile, or the second of the block
+    for (const int t : {first ? TILE_A0 : TILE_A1, first ? TILE_C00 : TILE_C10, first ? TILE_C01 : TILE_C11})
+      config.rows[t] = static_cast<uint8_t>(last_rows);
+  }
+  return config;
 }
 
 // One 32 x 32 block of the product (16 x 32 with one row tile): row tiles t0 (and t1) of x times the
@@ -102,25 +119,20 @@ at::Tensor linear(const at::Tensor& x, int64_t n, bool gated, const PairTiles& t
   if (rows == 0) return y;
   const uint16_t* x_data = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // Row tiles read x in place (row_tile). With fewer than 16 rows in all, the one row tile and its
-  // results are configured that many rows tall, so its loads read no row past x's end.
   const int64_t row_tiles = (rows + kRows - 1) / kRows;
-  const auto tile_at = [rows](int64_t i) { return rows < kRows ? RowTile{0, 0, rows} : row_tile(i, rows); };
   const int64_t pair_columns = gated ? kCols : 2 * kCols, pairs = (columns + pair_columns - 1) / pair_columns;
   parallel_claims(0, pairs, [=, &tiles](int64_t begin, int64_t end) {
     uint16_t* scratch = thread_scratch<uint16_t>(kScratchRows * k);
-    TileConfig config = tile_config();
-    if (rows < kRows) {
-      for (const int t : {TILE_A0, TILE_C00, TILE_C01}) config.rows[t] = static_cast<uint8_t>(rows);
-    }
+    const TileConfig config = tile_config_for_rows(rows);
     _tile_loadconfig(&config);
     for (int64_t pair = begin; pair < end; ++pair) {
       const uint16_t* b0 = tiles(pair, scratch);
       const uint16_t* b1 = b0 + k_steps * kTileElems;
       const Output o{out, columns, pair * pair_columns, std::min(pair_columns, columns - pair * pair_columns), gated};
       int64_t t = 0;
-      for (; t + 2 <= row_tiles; t += 2) block_product<2>(x_data, tile_at(t), tile_at(t + 1), b0, b1, k_steps, k, o);
-      if (t < row_tiles) block_product<1>(x_data, tile_at(t), tile_at(t), b0, b1, k_steps, k, o);
+      for (; t + 2 <= row_tiles; t += 2)
+        block_product<2>(x_data, row_tile(t, rows), row_tile(t + 1, rows), b0, b1, k_steps, k, o);
+      if (t < row_tiles) block_product<1>(x_data, row_tile(t, rows), row_tile(t, rows), b0, b1, k_steps, k, o);
     }
     _tile_release();
   });
