@@ -416,13 +416,14 @@ def tile_product(kernels, tile_kernel):
 
 
 @pytest.mark.parametrize("tile_kernel", TILE_KERNELS)
-@pytest.mark.parametrize("rows", [1, 3, 5, 12, 13, 16, 17, 32, 33, 47, 100, 256])
+@pytest.mark.parametrize("rows", [1, 3, 5, 12, 13, 16, 17, 31, 32, 33, 47, 100, 256])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (576, 1536), (64, 32)])
 def test_tile_kernels_match_a_float32_product(tile_product, rows, out_features, in_features) -> None:
-    """Row counts around linear_amx's 16-row tiles (the last overlapping the one before, or configured
-    shorter under 16 rows) and 32-row blocks and linear_tiles_fma's register blocks (12 rows with
-    AVX-512, 5 with AVX2), with their tails; the float32 product rounded once to bf16, as for the GEMV.
-    A misplaced element in the packed layout would be a wrong product, far outside one bf16 step."""
+    """Row counts around linear_amx's 16-row tiles (under 32 rows the last configured as tall as its rows,
+    from 32 on the last overlapping the one before) and 32-row blocks and linear_tiles_fma's register
+    blocks (12 rows with AVX-512, 5 with AVX2), with their tails; the float32 product rounded once to
+    bf16, as for the GEMV. A misplaced element in the packed layout would be a wrong product, far outside
+    one bf16 step."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
