@@ -175,10 +175,10 @@ class Scheduler:
         """Leave a decode-only step's rows past its last whole row block for the next step, when they
         are at most a quarter of a block (or one row).
 
-        A pass in row blocks (linear_amx's) pays for a partial last block as for a full one, so 100 one-token decodes
-        cost a step as long as 128 would. Measured, a step with a few rows past a whole block gives fewer
-        tokens per second than the step at the block; past a quarter of a block the difference is within
-        the noise, so a quarter of a block is where leaving rows out stops paying (figures:
+        From one whole row block on, linear_amx pays for a partial last 16-row tile as for a full one, so
+        100 one-token decodes cost the products of 112 rows. Measured, a step with a few rows past a whole
+        block gives fewer tokens per second than the step at the block; past a quarter of a block the
+        difference is within the noise, so a quarter of a block is where leaving rows out stops paying (figures:
         benchmarks/RESULTS.md, "Figures behind the code's rules").
         Leaving the last few sequences out makes every sequence faster, the ones left out included
         (each waits one step in every rows / tail). Which ones rotates: those left out least recently

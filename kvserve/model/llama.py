@@ -84,8 +84,9 @@ class LlamaModel:
         self.scale = config.softmax_scale
         # One C++ call for a step of decode rows where the kernels run this model (compiled_decode.py).
         self.compiled_decode = CompiledDecodeStep.for_model(self)
-        # Where every product, the LM head's too, runs on linear_amx, a step of 3 to AMX_MAX_ROWS rows pays
-        # for its rows in whole blocks of AMX_ROW_BLOCK (the scheduler's row_block).
+        # Where every product, the LM head's too, runs on linear_amx, a step of AMX_ROW_BLOCK to AMX_MAX_ROWS
+        # rows pays for a partial last row tile as for a whole one (the scheduler's row_block; under
+        # AMX_ROW_BLOCK rows the last tile costs only its rows: amx_product.cpp's row_tile).
         products = [p for layer in self.linears for p in layer] + [self.lm_head]
         self.tiled = all(isinstance(p, KernelLinear) and p.amx for p in products)
         self.q_size = config.num_heads * config.head_dim
