@@ -34,7 +34,7 @@ struct RowTile {
 // tile is made (it cost about as much per call as the product of a small weight itself:
 // benchmarks/RESULTS.md, "Figures behind the code's rules"):
 // - under 32 rows (one block: decode batches and the steps that verify their drafts), the last tile
-//   is configured as tall as the rows it has (short_tile_rows), so its products take only those rows;
+//   is configured as tall as the rows it has (tile_config_for_rows), so its products take only those rows;
 // - from 32 rows on, tiles lie 16 rows apart, except that the last one, when rows is no multiple of
 //   16, ends at x's last row and overlaps the one before (the tiles of every block keep one shape).
 RowTile row_tile(int64_t i, int64_t rows) {
