@@ -6,21 +6,23 @@ Two workloads, chat-templated, greedy, exactly --max-tokens output tokens each (
 - open: open-ended writing prompts, where the continuation is not in the prompt.
 Each at batch 1 (--solo-requests requests, one after another) and batch 16 (16 requests at once), with
 no speculation, n-gram (k=4) and a self-draft (the target's first 12 layers, k=3), adaptive k on.
-Every run uses a fresh engine (so acceptance and step-time estimates start alike) after one untimed
-warm-up request too short to speculate; before the timed pass, the whole matrix runs once untimed with
---warmup-tokens outputs, so per-shape kernel preparation (bf16 on the CPU) is not timed.
+Each workload and batch loads a fresh engine per method (so acceptance and step-time estimates start
+alike), warms each with one request too short to speculate, then gives every engine the same requests and
+steps the engines in turn, each step timed alone: a change in the machine's speed then hits every method
+alike. Run one after another, the same engine's speed moved by 5-9 % between runs, more than the few per
+cent a row is judged by (benchmarks/RESULTS.md, "Zen 4 again"). Before the timed pass, the whole matrix
+runs once untimed with --warmup-tokens outputs, so per-shape kernel preparation (bf16 on the CPU) is not
+timed.
 
-Per run: output tokens/s over the timed generate calls, acceptance rate (accepted / proposed drafts),
+Per run: output tokens/s over the run's own steps, acceptance rate (accepted / proposed drafts),
 mean tokens per target step for the sequences that verified drafts, the share of decode steps where the
 cost model chose not to speculate, speedup in tokens/s over no speculation on the same workload and
 batch, and how many outputs equal the non-speculative ones (bf16 verification batches tokens
 differently, so near-ties may resolve differently; float32 matches exactly, see tests/test_spec_engine.py).
 
 The whole matrix runs --rounds times; each row reports the medians over rounds, and its speedup is the
-median of each round's ratio to that round's run without speculation (the runs of a row and its baseline
-are minutes apart at most), with the lowest and highest ratio beside it. A run lasts a few seconds, and
-one run's row moved by 5-10 % with nothing to do with speculation (benchmarks/RESULTS.md, "Speculation
-with the planner on, on the AMX Xeon").
+median of each round's ratio to that round's run without speculation (stepped beside it), with the
+lowest and highest ratio beside it.
 
     python benchmarks/speculative.py                                  # dtype auto (bf16 here), 128 tokens
     python benchmarks/speculative.py --max-tokens 48 --solo-requests 1 --batch-sizes 1 16
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.outputs import RequestOutput
 from kvserve.model.registry import load_model
 from kvserve.model.tokenizer import TokenizerWrapper
 
@@ -79,30 +82,54 @@ def workloads(tokenizer: TokenizerWrapper, count: int) -> dict[str, list[list[in
     return {"copy": copy, "open": open_ended}
 
 
-def run(
-    spec: dict[str, Any] | None, prompts: list[list[int]], batch: int, max_tokens: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    llm = LLM(MODEL, dtype=args.dtype, speculative=spec, num_kv_blocks=args.kv_blocks)
-    llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2))  # warm-up: too short to speculate
+def run_cell(prompts: list[list[int]], batch: int, max_tokens: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every method of METHODS on the same requests at `batch`, one row each: the engines are stepped in
+    turn and each step is timed alone, so a change in the machine's speed hits every method alike."""
+    llms = {}
+    for method, spec in METHODS.items():
+        llm = LLM(MODEL, dtype=args.dtype, speculative=spec, num_kv_blocks=args.kv_blocks)
+        llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2))  # warm-up: too short to speculate
+        llms[method] = llm
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     groups = [[p] for p in prompts[: args.solo_requests]] if batch == 1 else [prompts[:batch]]
-    start = time.perf_counter()
-    outputs = [out for group in groups for out in llm.generate(group, params)]
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    stats = llm.engine.stats()
-    decode_steps = stats.get("spec_steps", 0) + stats.get("spec_skipped_steps", 0)
-    return {
-        "output_tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "acceptance_rate": stats.get("spec_acceptance_rate"),
-        "tokens_per_target_step": stats.get("spec_mean_tokens_per_step"),
-        "skipped_share": stats.get("spec_skipped_steps", 0) / decode_steps if decode_steps else None,
-        "acceptance_by_position": stats.get("spec_acceptance_by_position"),
-        "dtype": stats["dtype"],
-        "token_ids": [o.outputs[0].token_ids for o in outputs],
-    }
+    seconds = dict.fromkeys(llms, 0.0)
+    outputs: dict[str, list[RequestOutput]] = {method: [] for method in llms}
+    for g, group in enumerate(groups):
+        ids = [f"group{g}-{i}" for i in range(len(group))]
+        finished: dict[str, dict[str, RequestOutput]] = {method: {} for method in llms}
+        for llm in llms.values():
+            for request_id, prompt in zip(ids, group, strict=True):
+                llm.engine.add_request(request_id, prompt, params)
+        while any(len(done) < len(ids) for done in finished.values()):
+            for method, llm in llms.items():
+                if len(finished[method]) == len(ids):
+                    continue
+                start = time.perf_counter()
+                step_outputs = llm.engine.step()
+                seconds[method] += time.perf_counter() - start
+                finished[method].update((o.request_id, o) for o in step_outputs if o.finished)
+        for method in llms:
+            outputs[method] += [finished[method][request_id] for request_id in ids]
+    rows = []
+    for method, llm in llms.items():
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs[method])
+        stats = llm.engine.stats()
+        decode_steps = stats.get("spec_steps", 0) + stats.get("spec_skipped_steps", 0)
+        rows.append(
+            {
+                "method": method,
+                "output_tokens": tokens,
+                "seconds": seconds[method],
+                "tokens_per_s": tokens / seconds[method],
+                "acceptance_rate": stats.get("spec_acceptance_rate"),
+                "tokens_per_target_step": stats.get("spec_mean_tokens_per_step"),
+                "skipped_share": stats.get("spec_skipped_steps", 0) / decode_steps if decode_steps else None,
+                "acceptance_by_position": stats.get("spec_acceptance_by_position"),
+                "dtype": stats["dtype"],
+                "token_ids": [o.outputs[0].token_ids for o in outputs[method]],
+            }
+        )
+    return rows
 
 
 def run_all(
@@ -111,18 +138,19 @@ def run_all(
     runs: list[dict[str, Any]] = []
     for workload, wl_prompts in prompts.items():
         for batch in args.batch_sizes:
-            baseline: dict[str, Any] | None = None
-            for method, spec in METHODS.items():
-                result = {"workload": workload, "batch": batch, "method": method}
-                result.update(run(spec, wl_prompts, batch, max_tokens, args))
-                baseline = baseline or result
+            rows = run_cell(wl_prompts, batch, max_tokens, args)
+            baseline = rows[0]  # METHODS' first: no speculation
+            for result in rows:
+                result.update(workload=workload, batch=batch)
                 result["speedup"] = result["tokens_per_s"] / baseline["tokens_per_s"]
                 result["same_outputs"] = sum(
                     a == b for a, b in zip(result["token_ids"], baseline["token_ids"], strict=True)
                 )
                 runs.append(result)
                 if not quiet:
-                    print(f"# {workload} batch {batch} {method}: {result['tokens_per_s']:.1f} tok/s", flush=True)
+                    print(
+                        f"# {workload} batch {batch} {result['method']}: {result['tokens_per_s']:.1f} tok/s", flush=True
+                    )
     return runs
 
 
