@@ -12,9 +12,11 @@ namespace {
 // reads and writes only the tensors it is given (pybind11 converts them before the GIL is released and
 // the result after it is taken back), so meanwhile the server's HTTP thread runs Python: it parses and
 // admits requests and encodes the last step's tokens while a decode batch or a prefill chunk computes,
-// instead of after it. Calls over fewer rows (a batch-1 step, its LM head) keep the GIL: they are short,
-// and each release lets the HTTP thread take the GIL while the engine thread then waits to resume, a
-// cost with nothing long to overlap. Figures: benchmarks/RESULTS.md, "The GIL released for long calls".
+// instead of after it. Calls over fewer rows (a batch-1 step, its LM head) keep the GIL: each release lets
+// the HTTP thread take the GIL while the engine thread then waits to resume. That holds for decode_layers
+// too, a whole step of a few milliseconds: released at every row count, it made batch 1 no faster and
+// decode under Poisson arrivals slower, served. Figures: benchmarks/RESULTS.md, "The GIL released for long
+// calls" and "Zen 4 again".
 template <auto Kernel>
 struct WithoutGilWhenLong;
 
