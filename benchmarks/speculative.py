@@ -9,8 +9,8 @@ no speculation, n-gram (k=4) and a self-draft (the target's first 12 layers, k=3
 Each workload and batch loads a fresh engine per method (so acceptance and step-time estimates start
 alike), warms each with one request too short to speculate, then gives every engine the same requests and
 steps the engines in turn, each step timed alone: a change in the machine's speed then hits every method
-alike. Run one after another, the same engine's speed moved by 5-9 % between runs, more than the few per
-cent a row is judged by (benchmarks/RESULTS.md, "Zen 4 again"). Before the timed pass, the whole matrix
+alike. Run one after another, the same engine's speed moved between runs by more than the few per cent a
+row is judged by (figures: benchmarks/RESULTS.md, "Zen 4 again"). Before the timed pass, the whole matrix
 runs once untimed with --warmup-tokens outputs, so per-shape kernel preparation (bf16 on the CPU) is not
 timed.
 
