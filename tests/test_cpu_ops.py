@@ -505,7 +505,8 @@ def test_the_probe_picks_a_kernel_it_timed_and_sets_the_quantized_products_to_ma
     kernels, monkeypatch, fresh_batched_product, caplog
 ) -> None:
     """KVSERVE_BATCHED_PRODUCT=auto times every candidate on this CPU (its log line names each), picks one
-    of them, and sets quant_linear's products to the same tiles and form."""
+    of them, and sets quant_linear's products to the faster tile form of those it timed: the chosen kernel's
+    where it is a tile form, else (oneDNN, which has no product of quantized weights) the faster of the two."""
     monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, "auto")
     linear.batched_products.cache_clear()
     with caplog.at_level(logging.INFO, logger="kvserve.model.linear"):
@@ -514,9 +515,30 @@ def test_the_probe_picks_a_kernel_it_timed_and_sets_the_quantized_products_to_ma
     candidates = ["fma", "onednn"] + (["dpbf16"] if kernels.TILES_HAVE_BF16_PAIRS else [])
     assert all(f"ms on {name}" in probe for name in candidates), probe
     assert choice.kernel in candidates
-    tiled = choice.kernel != "onednn"
-    assert kernels.tile_products() == (tiled, choice.long_chunks, choice.kernel == "dpbf16")
-    assert not choice.long_chunks or tiled
+    forms = [name for name in candidates if name != "onednn"]
+    assert choice.panels in forms and (choice.kernel == "onednn" or choice.panels == choice.kernel)
+    assert kernels.tile_products() == (True, choice.long_chunks, choice.panels == "dpbf16")
+    assert not choice.long_chunks or choice.kernel != "onednn"
+
+
+@pytest.mark.skipif(
+    cpu.load() is None or cpu.load().amx_available() or cpu.choice().isa.isa.name == "generic",
+    reason="the batched product is probed only where the kernels have FMA tiles and the CPU no AMX",
+)
+def test_quantized_panels_keep_the_faster_tile_form_where_onednn_wins_the_probe(
+    kernels, monkeypatch, fresh_batched_product
+) -> None:
+    """Where oneDNN wins the probe, dense batches take it, and quant_linear (which oneDNN cannot run) takes
+    the tiles in the form the probe timed faster, not its other product: each form winning in turn."""
+    monkeypatch.setenv(linear.BATCHED_PRODUCT_ENV, "auto")
+    forms = ["fma"] + (["dpbf16"] if kernels.TILES_HAVE_BF16_PAIRS else [])
+    for faster in forms:
+        times = {"onednn": 1.0, **{form: 2.0 if form == faster else 3.0 for form in forms}}
+        monkeypatch.setattr(linear, "_probe", lambda _k, candidates, *_, t=times: {c: t[c] for c in candidates})
+        linear.batched_products.cache_clear()
+        choice = linear.batched_products()
+        assert (choice.kernel, choice.long_chunks, choice.panels) == ("onednn", False, faster)
+        assert kernels.tile_products() == (True, False, faster == "dpbf16")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -315,6 +315,28 @@ def test_quant_linear_on_row_groups_matches_dequantize_then_matmul(kernels, tile
         assert within(y, ref, float_slack(w, x, ref, dtype)), f"seed {seed}"
 
 
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+def test_quant_linear_rows_are_the_same_whatever_the_rows_beside_them(kernels, tile_products, qtype) -> None:
+    """bf16 rows of x at every tail of the panels' 32-row pairs of x: each row's products equal
+    dequantize-then-matmul's within float slack, and are the same bits as in a product of more rows (the
+    zero rows padding x's last pair, and the rows beside, take no part in them), gated (silu(gate) * up in
+    the kernel) and not."""
+    gen = np.random.default_rng(80)
+    n, k = 64, 96
+    blocks = random_blocks(qtype, n, k, gen)
+    grouped = QuantizedTensor(torch.from_numpy(blocks), qtype, (n, k)).interleaved()
+    x = torch.from_numpy(gen.standard_normal((49, k)).astype(np.float32)).bfloat16()
+    w = multiplied_weights(reference(blocks, qtype, n, k), torch.bfloat16, tile_products)
+    for gated in (False, True):
+        whole = kernels.quant_linear(x, grouped.blocks, grouped.kernel_type, gated)
+        for rows in (3, 16, 17, 31, 32, 33, 48):
+            part = kernels.quant_linear(x[:rows], grouped.blocks, grouped.kernel_type, gated)
+            torch.testing.assert_close(part, whole[:rows], rtol=0, atol=0)
+    ref = x.double() @ w.double().T
+    plain = kernels.quant_linear(x, grouped.blocks, grouped.kernel_type)
+    assert within(plain, ref, float_slack(w, x, ref, torch.bfloat16))
+
+
 @needs_quant_gemv
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)

@@ -20,7 +20,7 @@ from kvserve.intmath import div_ceil
 from kvserve.kernels import cpu
 from kvserve.kernels.cpu import build_config
 from kvserve.model.decode_cost import stored_bytes
-from kvserve.model.linear import BATCHED_PRODUCT_ENV, batched_product_kernel, long_chunks_on_tiles
+from kvserve.model.linear import BATCHED_PRODUCT_ENV, batched_products
 from kvserve.model.registry import load_model, resolve
 
 if TYPE_CHECKING:
@@ -66,8 +66,10 @@ def engine_report(engine: LLMEngine) -> StartupReport:
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "the CPU's best")
     report.add("torch cpu ops", f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN up to {onednn}")
     batched = os.environ.get(BATCHED_PRODUCT_ENV, "auto")
-    long_chunks = ", prefill chunks too" if long_chunks_on_tiles() else ""
-    report.add("batched bf16 products", f"{batched_product_kernel()}{long_chunks} ({BATCHED_PRODUCT_ENV}={batched})")
+    products = batched_products()
+    long_chunks = ", prefill chunks too" if products.long_chunks else ""
+    panels = f"; quantized panels on {products.panels} tiles" if products.panels not in (None, products.kernel) else ""
+    report.add("batched bf16 products", f"{products.kernel}{long_chunks}{panels} ({BATCHED_PRODUCT_ENV}={batched})")
     report.add("compiled decode step", compiled_decode_summary(engine))
     features = set(build_config.cpu_features())
     report.add("cpu features", " ".join(f for f in RELEVANT_CPU_FEATURES if f in features) or "none of interest")

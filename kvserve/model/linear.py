@@ -214,6 +214,9 @@ class BatchedProducts:
 
     kernel: str  # "amx", "fma", "dpbf16" or "onednn": batches of 3 to AMX_MAX_ROWS rows
     long_chunks: bool  # whether longer prefill chunks take the same tiles (else oneDNN)
+    # The tile form ("fma", "dpbf16") of quant_linear's panels (quantized weights have no oneDNN product),
+    # or None where they take none (AMX's own tiles; no tile kernels; KVSERVE_BATCHED_PRODUCT=onednn).
+    panels: str | None = None
 
 
 @functools.cache
@@ -226,7 +229,9 @@ def batched_products() -> BatchedProducts:
     PROBE_LONG_ROWS rows against oneDNN for long chunks (forcing a tile form forces that too). Which wins
     depends on the CPU: AMD's Zen 4 issues VDPBF16PS at its FMA rate, Intel's cores at half of it
     (benchmarks/RESULTS.md, "FMA tiles", "VDPBF16PS tiles", "Both tile forms, chosen by a probe"). The
-    quantized products of bf16 rows follow the same choice (set_tile_products)."""
+    quantized products of bf16 rows take the faster tile form of the same probe (set_tile_products) even
+    where oneDNN wins it: oneDNN has no product of quantized weights, and their other product ran 1.1-1.25x
+    slower than the tiles on Zen 4 (RESULTS.md, "Quantized panels on the probe's faster tile form")."""
     kernels = gemv_kernels()
     if kernels is None:
         return BatchedProducts("onednn", False)
@@ -240,18 +245,19 @@ def batched_products() -> BatchedProducts:
     compute = _onednn_compute_dtype(torch.empty(0, dtype=torch.bfloat16))
     if setting != "auto":
         kernel, long_chunks = setting, setting != "onednn"
-    elif compute is None:  # no oneDNN product to compare with
-        kernel = _fastest(kernels, forms, None, PROBE_ROWS, PROBE_OUT, PROBE_IN)
-        long_chunks = True
+        panels = setting if setting in forms else None
     else:
-        kernel = _fastest(kernels, (*forms, "onednn"), compute, PROBE_ROWS, PROBE_OUT, PROBE_IN)
-        long_chunks = (
+        candidates = forms if compute is None else (*forms, "onednn")  # None: no oneDNN product to compare
+        times = _probe(kernels, candidates, compute, PROBE_ROWS, PROBE_OUT, PROBE_IN)
+        kernel = min(times, key=times.__getitem__)
+        panels = min(forms, key=times.__getitem__)
+        long_chunks = compute is None or (
             kernel != "onednn"
             and _fastest(kernels, (kernel, "onednn"), compute, PROBE_LONG_ROWS, PROBE_LONG_SIZE, PROBE_LONG_SIZE)
             == kernel
         )
-    kernels.set_tile_products(panels=kernel in TILE_PRODUCTS, long_chunks=long_chunks, bf16_pairs=kernel == "dpbf16")
-    return BatchedProducts(kernel, long_chunks)
+    kernels.set_tile_products(panels=panels is not None, long_chunks=long_chunks, bf16_pairs=panels == "dpbf16")
+    return BatchedProducts(kernel, long_chunks, panels)
 
 
 def batched_product_kernel() -> str:
@@ -268,9 +274,17 @@ def long_chunks_on_tiles() -> bool:
 def _fastest(
     kernels: ModuleType, candidates: tuple[str, ...], compute: torch.dtype | None, rows: int, n: int, k: int
 ) -> str:
-    """The candidate ("fma", "dpbf16", "onednn") that multiplies `rows` random bf16 rows by an [n, k] weight
-    fastest, oneDNN as make_linear runs it (in `compute`); timed in turn, call by call, so that a change in
-    the machine's speed during the probe hits each alike."""
+    """The candidate of _probe's that took the least time."""
+    times = _probe(kernels, candidates, compute, rows, n, k)
+    return min(times, key=times.__getitem__)
+
+
+def _probe(
+    kernels: ModuleType, candidates: tuple[str, ...], compute: torch.dtype | None, rows: int, n: int, k: int
+) -> dict[str, float]:
+    """The median milliseconds in which each candidate ("fma", "dpbf16", "onednn") multiplies `rows` random
+    bf16 rows by an [n, k] weight, oneDNN as make_linear runs it (in `compute`); timed in turn, call by call,
+    so that a change in the machine's speed during the probe hits each alike."""
     weight = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
     tiles = pack_tiles(weight)
@@ -297,7 +311,7 @@ def _fastest(
         k,
         ", ".join(f"{ms:.3f} ms on {name}" for name, ms in medians.items()),
     )
-    return min(medians, key=medians.__getitem__)
+    return medians
 
 
 def _onednn_product(weight: torch.Tensor, compute: torch.dtype) -> LinearFn:
