@@ -83,32 +83,6 @@ def test_prompt_logprobs_over_the_blocks_are_the_dequantized_engines(quantized_g
         torch.testing.assert_close([lp for _, lp in blocks.top], [lp for _, lp in dense.top], rtol=0, atol=1e-3)
 
 
-def test_a_prompts_first_token_is_the_same_alone_and_beside_decoding_requests(quantized_gguf):
-    """The head's rows in a step are the positions it samples from, none of which writes KV: they take the
-    decode step's product (the int8 GEMV up to int8_max_rows rows) whatever the step's other rows, so a
-    prompt's first token and its logprobs do not depend on whether its prefill shared a step with decode
-    rows (before, the head of such a step took the panel product while a lone prefill's one row took the
-    GEMV: a different first token at near-ties)."""
-    llm = LLM(
-        model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization="auto", enable_prefix_caching=False
-    )
-    first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    alone = llm.generate([PROMPTS[1]], first)[0].outputs[0]
-    engine = llm.engine
-    for i, prompt in enumerate((PROMPTS[0], PROMPTS[2])):
-        engine.add_request(f"decoding-{i}", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.step()  # both prefilled: from here on they decode
-    engine.add_request("joined", PROMPTS[1], first)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        outputs = {o.request_id: o for o in engine.step()}
-    calls = {e.key: e.count for e in prof.key_averages()}
-    assert calls.get("kvserve::quant_linear", 0) > 0  # the step's layers: a prefill's exact products
-    assert calls.get("kvserve::quant_gemv") == 1  # its head: three sampled rows
-    joined = outputs["joined"].outputs[0]
-    assert outputs["joined"].finished and joined.token_ids == alone.token_ids
-    assert joined.logprobs == alone.logprobs
-
-
 @pytest.mark.parametrize("batched", [False, True], ids=["one at a time", "three per step"])
 def test_decoding_follows_the_dequantized_engine(quantized_gguf, batched: bool):
     """Decode steps on the GEMV (int8 activations), of one row or of three: at each position of the

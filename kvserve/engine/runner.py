@@ -117,14 +117,8 @@ class ModelRunner:
                 num_layers=num_layers,
                 compiled_decode=self.compiled_decode and self.attention.decode_kernel_takes_every_row(meta),
             )
-        if not logit_rows:
-            return hidden.new_empty((0, self.model.config.vocab_size))  # the model dtype, as logits() gives
-        if len(logit_rows) < len(tokens):  # rows are ascending and distinct: equal counts mean every row
-            hidden = hidden[torch.tensor(logit_rows, device=device)]
-        # The head's rows write no KV. Where each is a position sampled from (a prompt's last, a decode or
-        # verify row), they take a decode step's products whatever the step's other rows, so a prompt's
-        # first token does not depend on whether its prefill shared a step with decode rows, and such a
-        # step does not dequantize the whole head for a few rows. Prompt logprobs (more rows of a prompt)
-        # stay the prefill's exact product.
-        with decode_step(all(span.decoding or span.num_logits <= 1 for span in spans)):
+            if not logit_rows:
+                return hidden.new_empty((0, self.model.config.vocab_size))  # the model dtype, as logits() gives
+            if len(logit_rows) < len(tokens):  # rows are ascending and distinct: equal counts mean every row
+                hidden = hidden[torch.tensor(logit_rows, device=device)]
             return self.model.logits(hidden)

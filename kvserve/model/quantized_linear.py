@@ -8,8 +8,7 @@ with AMX, 8 for Q6_K's; 8 in GGML's layout); more rows, and prefill steps, take 
 panel of weight rows into a tile in cache and multiplies every row with it, exactly up to the order of
 the sums. The weights are read once per product at their quantized size either way. A prefill's KV
 serves every later token of its request, so it stays exact; a decode step's row makes one token, as
-batch 1's always has on the GEMV; the LM head's sampled rows, which write no KV, count as a decode
-step's in any step (the runner says so: engine/runner.py). A fused projection whose parts differ in block type
+batch 1's always has on the GEMV. A fused projection whose parts differ in block type
 (StackedQuantizedTensor) runs a product per part and concatenates their columns.
 
 The embedding table, when quantized, stays in its blocks: a step gathers the rows of its tokens and
