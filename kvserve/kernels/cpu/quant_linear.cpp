@@ -9,10 +9,10 @@
 // - with AMX: each panel of 32 weight rows is packed straight into B tiles (quant_pack_tiles.h) and
 //   multiplied on amx_product.h's product, the dense bf16 weights' own (linear_amx), gated included, so
 //   the results are the dense bf16 engine's, up to the order of the sums;
-// - with AVX512-BF16 where the tile products are off (set_tile_products): the panel is dequantized into
-//   bf16 and multiplied on VDPBF16PS (quant_linear_bf16.cpp), so the results are again the dense bf16
-//   engine's;
-// - on AVX-512 without AMX where the tile products are on (the process's probe found them faster:
+// - with AVX512-BF16 where the tile products are off (set_tile_products; KVSERVE_BATCHED_PRODUCT=onednn):
+//   the panel is dequantized into bf16 and multiplied on VDPBF16PS (quant_linear_bf16.cpp), so the results
+//   are again the dense bf16 engine's;
+// - on AVX-512 without AMX where the tile products are on (in the form the process's probe timed faster:
 //   kvserve/model/linear.py): x is packed once per call in pack_tiles' layout and each panel multiplies
 //   it in register blocks of tiles_fma.h (panel rows as the broadcast operand, rows of x as the packed
 //   one). In the blocks' VDPBF16PS form the panel is dequantized to bf16, so the results are the dense
@@ -128,11 +128,12 @@ at::Tensor dequantized_bf16(const uint8_t* w, int64_t row_bytes, int64_t n, int6
 // y [m, n] = x [m, k] @ W^T for bf16 x, W's rows from `blocks`: x packed as pack_tiles packs a weight
 // (rows padded with zeros to whole 32-row pairs of blocks), then per panel of dequantized rows (bf16
 // where the register block takes bf16 pairs, else float32), register blocks of tiles_fma::kRows panel
-// rows times 32 rows of x, stored transposed into y. Each 32 rows of x meet every register block of the
-// panel in turn, so they are read from L1 while the panel's rows stay in L2; the other order (each
-// register block over all of x) read x from L3 once per register block. `gated` (W = [gate; up], each
-// half whole row groups): the panel holds gate rows n0.. and their up rows, and y [m, n / 2] = silu(gate)
-// * up from the float32 results, as quant_gemv gates them.
+// rows times 32 rows of x (16 where the last pair's rows fit in its first block), stored transposed into
+// y. Each 32 rows of x meet every register block of the panel in turn, so they are read from L1 while
+// the panel's rows stay in L2; the other order (each register block over all of x) read x from L3 once
+// per register block. `gated` (W = [gate; up], each half whole row groups): the panel holds gate rows
+// n0.. and their up rows, and y [m, n / 2] = silu(gate) * up from the float32 results, as quant_gemv
+// gates them.
 template <typename Block>
 at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k,
                                  bool gated) {
@@ -159,11 +160,18 @@ at::Tensor packed_x_times_panels(const at::Tensor& x, const uint8_t* w, int64_t 
           for (int64_t r0 = 0; r0 < w_rows; r0 += kRows) {
             with_rows(static_cast<int>(std::min<int64_t>(kRows, w_rows - r0)), [&](auto block_rows) {
               constexpr int R = decltype(block_rows)::value;
+              // The last pair's rows of x: its first block alone where they fit in it.
+              const auto product = [&](const Tile* panel_rows, float (*out)[2 * kBlockCols]) {
+                if (valid <= kBlockCols)
+                  accumulate<R, 1>(panel_rows, k, xs, pair, out);
+                else
+                  accumulate<R, 2>(panel_rows, k, xs, pair, out);
+              };
               alignas(64) float c[R][2 * kBlockCols];
-              accumulate<R>(tile + r0 * k, k, xs, pair, c);
+              product(tile + r0 * k, c);
               if (gated) {
                 alignas(64) float up[R][2 * kBlockCols];
-                accumulate<R>(tile + (w_rows + r0) * k, k, xs, pair, up);
+                product(tile + (w_rows + r0) * k, up);
                 for (int r = 0; r < R; ++r)
                   for (int64_t j = 0; j < valid; ++j) c[r][j] = silu_times(c[r][j], up[r][j]);
               }

@@ -47,14 +47,13 @@ constexpr bool kBf16Pairs = false;
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kBlockCols = 16;                 // columns per packed block
-constexpr int64_t kPairElems = 2 * kBlockCols;     // bf16 elements per key pair of one block
-constexpr int kLanes = sizeof(WideLanes) / 4;      // float32 lanes per vector
-constexpr int kVectors = 2 * kBlockCols / kLanes;  // vectors per 32 columns
+constexpr int64_t kBlockCols = 16;              // columns per packed block
+constexpr int64_t kPairElems = 2 * kBlockCols;  // bf16 elements per key pair of one block
+constexpr int kLanes = sizeof(WideLanes) / 4;   // float32 lanes per vector
 constexpr int kVectorsPerBlock = kBlockCols / kLanes;
-// Vectors of columns accumulated together in one pass over k: all 32 columns with 512-bit vectors, 16
-// per pass (two passes) with 256-bit ones.
-constexpr int kPassVectors = 2, kPasses = kVectors / kPassVectors;
+// Vectors of columns accumulated together in one pass over k (at most): all 32 columns of a pair of
+// blocks with 512-bit vectors, 16 per pass (two passes) with 256-bit ones.
+constexpr int kPassVectors = 2;
 // Rows per register block: the accumulators (kRows * kPassVectors), the widened B vectors (2 *
 // kPassVectors) and one row's two broadcasts fill the register file (32 zmm, 16 ymm) without spilling.
 constexpr int kRows = kLanes == 16 ? 12 : 5;
@@ -82,49 +81,54 @@ decltype(auto) with_a_type(Fn&& fn) {
   return fn(float{});
 }
 
-// c[r][j] = sum over k of a[r * k + e] * B[32 * pair + j, e], for r < R and the 32 columns j of B's
-// column blocks 2 * pair and 2 * pair + 1 (k even). `a` is float32, or bf16 where kBf16Pairs.
-template <int R, typename A>
+// c[r][j] = sum over k of a[r * k + e] * B[32 * pair + j, e], for r < R and the 16 * Blocks columns j of
+// B's column blocks 2 * pair .. 2 * pair + Blocks - 1 (k even). Blocks is 1 where the pair's second block
+// holds no column the caller needs (a panel product's last rows of x, quant_linear.cpp), whose work would
+// otherwise cost as much as the first's. `a` is float32, or bf16 where kBf16Pairs.
+template <int R, int Blocks = 2, typename A>
 void accumulate(const A* a, int64_t k, const uint16_t* packed, int64_t pair, float (*c)[2 * kBlockCols]) {
+  static_assert(Blocks == 1 || Blocks == 2);
   constexpr bool kPairs = std::is_same_v<A, uint16_t>;
   static_assert(std::is_same_v<A, float> || (kPairs && kBf16Pairs), "a is float32, or bf16 with AVX512-BF16");
-  const uint16_t* blocks[2] = {packed + 2 * pair * k * kBlockCols, packed + (2 * pair + 1) * k * kBlockCols};
-  for (int pass = 0; pass < kPasses; ++pass) {
-    WideLanes acc[R][kPassVectors];
+  constexpr int kWidth = std::min(kPassVectors, Blocks * kVectorsPerBlock);  // vectors per pass
+  constexpr int kBlockPasses = Blocks * kVectorsPerBlock / kWidth;
+  const uint16_t* blocks[Blocks];
+  for (int b = 0; b < Blocks; ++b) blocks[b] = packed + (2 * pair + b) * k * kBlockCols;
+  for (int pass = 0; pass < kBlockPasses; ++pass) {
+    WideLanes acc[R][kWidth];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kPassVectors; ++v) acc[r][v] = splat<WideLanes>(0.f);
+      for (int v = 0; v < kWidth; ++v) acc[r][v] = splat<WideLanes>(0.f);
     for (int64_t pair_k = 0; pair_k < k / 2; ++pair_k) {
-      const uint16_t* lanes[kPassVectors];  // the key pair's B[n, k], B[n, k + 1] for each vector's columns
-      for (int v = 0; v < kPassVectors; ++v) {
-        const int column_vector = pass * kPassVectors + v;
+      const uint16_t* lanes[kWidth];  // the key pair's B[n, k], B[n, k + 1] for each vector's columns
+      for (int v = 0; v < kWidth; ++v) {
+        const int column_vector = pass * kWidth + v;
         lanes[v] = blocks[column_vector / kVectorsPerBlock] + pair_k * kPairElems +
                    (column_vector % kVectorsPerBlock) * 2 * kLanes;
       }
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        __m512bh b[kPassVectors];
-        for (int v = 0; v < kPassVectors; ++v) b[v] = (__m512bh)_mm512_loadu_si512(lanes[v]);
+        __m512bh b[kWidth];
+        for (int v = 0; v < kWidth; ++v) b[v] = (__m512bh)_mm512_loadu_si512(lanes[v]);
         for (int r = 0; r < R; ++r) {
           uint32_t a_pair;  // a[r, k] in bits 0-15, a[r, k + 1] in bits 16-31, as B's lanes hold theirs
           std::memcpy(&a_pair, a + r * k + 2 * pair_k, sizeof(a_pair));
           const __m512bh a_pairs = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pair));
-          for (int v = 0; v < kPassVectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a_pairs, b[v]);
+          for (int v = 0; v < kWidth; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a_pairs, b[v]);
         }
 #endif
       } else {
-        WideLanes even[kPassVectors], odd[kPassVectors];
-        for (int v = 0; v < kPassVectors; ++v) widen_pairs(lanes[v], even[v], odd[v]);
+        WideLanes even[kWidth], odd[kWidth];
+        for (int v = 0; v < kWidth; ++v) widen_pairs(lanes[v], even[v], odd[v]);
         // Row by row, so that only one row's two broadcasts are live beside the accumulators.
         for (int r = 0; r < R; ++r) {
           const WideLanes a_even = splat<WideLanes>(a[r * k + 2 * pair_k]);
           const WideLanes a_odd = splat<WideLanes>(a[r * k + 2 * pair_k + 1]);
-          for (int v = 0; v < kPassVectors; ++v)
-            acc[r][v] = lanes_fma(a_odd, odd[v], lanes_fma(a_even, even[v], acc[r][v]));
+          for (int v = 0; v < kWidth; ++v) acc[r][v] = lanes_fma(a_odd, odd[v], lanes_fma(a_even, even[v], acc[r][v]));
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kPassVectors; ++v) lanes_store(&c[r][(pass * kPassVectors + v) * kLanes], acc[r][v]);
+      for (int v = 0; v < kWidth; ++v) lanes_store(&c[r][(pass * kWidth + v) * kLanes], acc[r][v]);
   }
 }
 
