@@ -78,6 +78,11 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// Blocks of x quantized per thread where they are many: serial, a 100-row decode batch's quantization left
+// the other thread waiting for ~2 % of the step (benchmarks/RESULTS.md, "Quantized activations on both
+// threads"). Each block is written by one thread only, so the result is the same whatever the split.
+constexpr int64_t kQuantizeGrain = 256;  // blocks of 32: below this (a GEMV's few rows) one thread
+
 template <typename T>
 Activations quantize_int8(const T* x, int64_t rows, int64_t k) {
   Activations a;
@@ -86,28 +91,30 @@ Activations quantize_int8(const T* x, int64_t rows, int64_t k) {
   a.scale.resize(rows * k / kXBlock);
   a.sum16.resize(rows * k / 16);
   a.sum32.resize(rows * k / kXBlock);
-  const __m256 sign_bit = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < rows * k / kXBlock; ++b) {
-    const T* src = x + b * kXBlock;
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = load8_float(src + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+  at::parallel_for(0, rows * k / kXBlock, kQuantizeGrain, [&](int64_t first, int64_t last) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.f);
+    for (int64_t b = first; b < last; ++b) {
+      const T* src = x + b * kXBlock;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = load8_float(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+      }
+      const float d = reduce_max(amax) / 127.f;
+      a.scale[b] = d;
+      const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest, ties even
+      a.sum16[2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+      a.sum16[2 * b + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+      a.sum32[b] = d * static_cast<float>(a.sum16[2 * b] + a.sum16[2 * b + 1]);
+      // packs interleave the 128-bit halves; the permutation puts the 32 bytes back in element order.
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + b * kXBlock), ordered);
     }
-    const float d = reduce_max(amax) / 127.f;
-    a.scale[b] = d;
-    const __m256 inv = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest, ties even
-    a.sum16[2 * b] = hsum_epi32(_mm256_add_epi32(q[0], q[1]));
-    a.sum16[2 * b + 1] = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
-    a.sum32[b] = d * static_cast<float>(a.sum16[2 * b] + a.sum16[2 * b + 1]);
-    // packs interleave the 128-bit halves; the permutation puts the 32 bytes back in element order.
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + b * kXBlock), ordered);
-  }
+  });
   return a;
 }
 
