@@ -172,6 +172,12 @@ class PacedPrefetch {
       key += run;
     }
   }
+  // The lines the plan will ask for in all.
+  int64_t lines() const {
+    int64_t keys = 0;
+    for (int64_t i = 0; i < count_; ++i) keys += runs_[i].rows;
+    return std::min(kMaxLines, 2 * keys * ((row_bytes_ + 63) / 64));
+  }
   // Asks for the next `n` lines of the plan, a K line and its V line in turn (all that are left with n < 0).
   void issue(int64_t n) {
     for (int64_t asked = 0; (n < 0 || asked < n) && run_ < count_ && pairs_left_ > 0; asked += 2, --pairs_left_) {

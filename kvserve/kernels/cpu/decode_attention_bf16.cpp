@@ -44,6 +44,15 @@ constexpr float kRescaleAbove = 8.f;  // natural-log units: probabilities stay <
 // faster than the best batch into L1 (figures: benchmarks/RESULTS.md, "Decode attention on AVX512-BF16").
 constexpr int64_t kPrefetchBatch = 48;
 
+// Lines asked for after each row's scores as well, where a tile holds more than those two batches per head
+// ask for: the rest in equal shares, so that none waits for the tile's end. Gemma 3's tiles (one KV head of
+// 256 dims) hold 256 lines, and leaving 160 of them to the end made its attention 1.45x slower; SmolLM2's
+// tiles (64 lines per head) need none (benchmarks/RESULTS.md, "Decode attention's prefetch in row shares").
+inline int64_t row_prefetch_share(int64_t lines, int64_t heads, int64_t rows) {
+  const int64_t left = lines - 2 * kPrefetchBatch * heads;
+  return left > 0 ? (left + heads * rows - 1) / (heads * rows) : 0;
+}
+
 // Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree of 45 shuffles
 // and adds for all sixteen, where sixteen separate horizontal sums cost ~130.
 inline __m512 sum_lanes_of_each(const __m512 (&v)[16]) {
@@ -251,6 +260,7 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
             prefetch.plan(p, p.tables + next_seq * p.table_width, first_tile_key(p, next_slen - next_qlen), kTile,
                           next_slen, k_cache, v_cache, next_head, heads);
           }
+          const int64_t row_share = row_prefetch_share(prefetch.lines(), heads, rows);
           for (int64_t head = 0; head < heads; ++head) {
             const int64_t r0 = head * rows;
             for (int64_t r = r0; r < r0 + rows; ++r) {
@@ -263,6 +273,7 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
               }
               const __m512 scores = tile_scores(q_rows[r], k_cache + tile_at + head * dim, key_len, nkeys, dim);
               tile_probabilities(scores, seen, p.scale, softmax[r], &out_rows[r * dim], dim, row_pairs);
+              prefetch.issue(row_share);
             }
             prefetch.issue(kPrefetchBatch);
             accumulate_tile(&p_pairs[r0 * kTile / 2], v_cache + tile_at + head * dim, key_len, nkeys, rows, dim,
