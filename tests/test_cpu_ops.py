@@ -137,9 +137,13 @@ def test_silu_mul_over_the_whole_range(kernels, dtype: torch.dtype) -> None:
 def test_kernels_release_the_gil_for_more_rows_than_a_gemv_takes(kernels, rows: int) -> None:
     """A Python thread runs while a kernel computes more than GEMV_MAX_ROWS rows (bindings.cpp:
     without_gil_when_long), and not while it computes fewer. With the GIL held, another thread's Python
-    runs only at the edges of a call (between the caller's bytecodes, for a few switch intervals), never
+    runs only at the edges of a call (between the caller's bytecodes, for a few switch intervals), not
     in the middle half of a call 200 intervals long. The kernel runs on one thread, so that the other
-    thread has a core of its own and the edges stay short."""
+    thread has a core of its own and the edges stay short. One exception: where the OS preempts the
+    ticking thread while it holds the GIL, the caller waits for it before the call starts, and that wait
+    can reach into the call's middle (a clean-clone CI run once saw it). It hits a call, not most of
+    them, so a held GIL lets at most a quarter of the calls see a tick in their middle; a released one
+    lets the ticker run through every call."""
     interval, threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(1e-4)
     torch.set_num_threads(1)
@@ -152,16 +156,16 @@ def test_kernels_release_the_gil_for_more_rows_than_a_gemv_takes(kernels, rows: 
             if time.perf_counter() - started >= 200 * sys.getswitchinterval() or rows * width >= 2**26:
                 break
             width *= 2
-        calls, stamps = calls_beside_a_ticking_thread(lambda: kernels.silu_mul(gate_up), 5)
+        calls, stamps = calls_beside_a_ticking_thread(lambda: kernels.silu_mul(gate_up), 8)
     finally:
         sys.setswitchinterval(interval)
         torch.set_num_threads(threads)
     middles = [(a + (b - a) / 4, b - (b - a) / 4) for a, b in calls]
-    ticks_inside = sum(any(lo < t < hi for lo, hi in middles) for t in stamps)
+    ticked = sum(any(lo < t < hi for t in stamps) for lo, hi in middles)  # calls with a tick in their middle
     if rows > kernels.GEMV_MAX_ROWS:
-        assert ticks_inside > 0, f"no tick of another thread fell inside {len(calls)} calls of {rows} x {width}"
+        assert ticked > 0, f"no tick of another thread fell inside {len(calls)} calls of {rows} x {width}"
     else:
-        assert ticks_inside == 0, f"{ticks_inside} ticks of another thread fell inside calls of {rows} x {width}"
+        assert ticked <= len(calls) // 4, f"ticks fell inside {ticked} of {len(calls)} calls of {rows} x {width}"
 
 
 def calls_beside_a_ticking_thread(call, times: int) -> tuple[list[tuple[float, float]], list[float]]:
