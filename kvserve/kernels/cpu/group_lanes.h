@@ -58,9 +58,27 @@ struct GroupLanes8 {
   static Int where_any_bit(Int v, Int bits, Int value) {  // per byte: value where v & bits is not 0, else 0
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_or_si256(v, _mm256_xor_si256(bits, bytes(-1))), bytes(-1)), value);
   }
+  static Int four_bytes(const int8_t* p) {  // p's four bytes in every lane
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return dwords(v);
+  }
   static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
 #ifdef KVSERVE_HAS_VNNI
+  // acc + the dots of u's unsigned bytes with s's signed ones, lane by lane.
   static Int dot(Int acc, Int u, Int s) { return dpbusd(acc, u, s); }
+  // The same with the four signed bytes at x in every lane of s. With EVEX (AVX512-VNNI and VL) x is the
+  // instruction's broadcast memory operand: GCC does not fold a broadcast into vpdpbusd, and as an instruction
+  // of its own it takes a vector pipe beside the dot. Where one broadcast serves several dots, dot() with it
+  // in a register is the faster (benchmarks/RESULTS.md, "x broadcast inside the dots").
+  static Int dot_at(Int acc, Int u, const int8_t* x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return acc;
+#else
+    return dpbusd(acc, u, four_bytes(x));
+#endif
+  }
 #endif
 };
 
@@ -90,6 +108,11 @@ struct GroupLanes16 {
   }
   static Int bytes(int8_t v) { return _mm512_set1_epi8(v); }
   static Int dwords(int32_t v) { return _mm512_set1_epi32(v); }
+  static Int four_bytes(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return dwords(v);
+  }
   static Int zero() { return _mm512_setzero_si512(); }
   static Int each_128(__m128i v) { return _mm512_broadcast_i32x4(v); }
   static Int srli16(Int v, int n) { return _mm512_srli_epi16(v, n); }
@@ -104,6 +127,10 @@ struct GroupLanes16 {
   }
   static Float to_float(Int v) { return _mm512_cvtepi32_ps(v); }
   static Int dot(Int acc, Int u, Int s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static Int dot_at(Int acc, Int u, const int8_t* x) {  // as GroupLanes8's
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(x)));
+    return acc;
+  }
 };
 #endif
 

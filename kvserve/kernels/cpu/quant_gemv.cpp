@@ -281,88 +281,149 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
 //   Without VNNI, maddubs takes |w| against x with w's sign (as the GGML layout's Q8_0), each pair sum at
 //   most 2 * 128 * 127 = 32,512, widened to int32 per vector since two would overflow int16.
 //
-// The M rows of x times V vectors of row groups from group block row `group` on (L::kGroups * V groups,
-// `stride` bytes apart; all their blocks): out[m * V + v], vector v's results for row m.
-template <typename Group, int M, typename L, int V>
-inline void row_group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
+#ifdef KVSERVE_HAS_VNNI
+// acc + u's dots with the four bytes of x at `x` in every lane: broadcast inside the dot instruction where a
+// chunk has several rows of x (kInDot), from a register for a single row, which ran the faster at batch 1
+// on Gemma 3's Q4_K and Q6_K (benchmarks/RESULTS.md, "x broadcast inside the dots").
+template <typename L, bool kInDot>
+inline typename L::Int dot_x(typename L::Int acc, typename L::Int u, const int8_t* x) {
+  if constexpr (kInDot)
+    return L::dot_at(acc, u, x);
+  else
+    return L::dot(acc, u, L::four_bytes(x));
+}
+#endif
+
+// One block of V vectors of row groups, unpacked: each vector's scale d, its offset (Q4_0's -8 d, Q4_1's m,
+// Q5_0's -16 d; 0 for Q8_0) and its 32 values as eight vectors of u8 (q[v][t]: elements 4t .. 4t+3 of each
+// row, quant_row_groups.h), ready for the integer dots against x.
+template <typename L, int V>
+struct UnpackedBlock {
+  typename L::Float d[V], offset[V];
+  typename L::Int q[V][8];
+};
+
+// Block p (of the V vectors `stride` bytes apart from p on) unpacked into u.
+template <typename Group, typename L, int V>
+inline void unpack_block(const uint8_t* p, int64_t stride, UnpackedBlock<L, V>& u) {
   using Int = typename L::Int;
   using Float = typename L::Float;
   constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;    // offset m
   constexpr bool kFive = std::is_same_v<Group, quant::RowGroup<quant::Q5_0>>;   // fifth bits; offset -16 d
   constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;  // no offset; else Q4_0: -8 d
-  const int64_t xblocks = x.k / kXBlock;
   const Int mask = L::bytes(0xF);
-  Float acc[M][V], acc_offset[M][V];  // the integer products' terms and the offsets' (separate chains)
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
-  const uint8_t* p = group;
-  for (int64_t b = 0; b < xblocks; ++b, p += Group::kBytes) {
-    Float d[V], offset[V];
-    Int q[V][8];  // q[v][t]: elements 4t .. 4t+3 of each row of vector v (quant_row_groups.h)
-    for (int v = 0; v < V; ++v) {
-      const uint8_t* pv = p + v * L::kGroups * stride;
-      d[v] = L::halves(pv, stride);
-      offset[v] = kEight ? splat<Float>(0.f)
+  for (int v = 0; v < V; ++v) {
+    const uint8_t* pv = p + v * L::kGroups * stride;
+    u.d[v] = L::halves(pv, stride);
+    u.offset[v] = kEight ? splat<Float>(0.f)
                   : kMin ? L::halves(pv + 16, stride)
-                         : d[v] * splat<Float>(kFive ? -16.f : -8.f);
-      const Int qh = kFive ? L::load(pv + 16, stride) : L::zero();
-      for (int j = 0; j < Group::kQsVectors; ++j) {
-        const Int w = L::load(pv + Group::kQsOffset + 32 * j, stride);
-        if constexpr (kEight) {
-          q[v][j] = kVnni ? w ^ L::bytes(static_cast<int8_t>(0x80)) : w;  // VNNI: w + 128
-        } else {
-          q[v][j] = w & mask;
-          q[v][j + 4] = L::srli16(w, 4) & mask;
-          if constexpr (kFive) {
-            q[v][j] = q[v][j] | fifth_bits<L>(qh, j);
-            q[v][j + 4] = q[v][j + 4] | fifth_bits<L>(qh, j + 4);
-          }
+                         : u.d[v] * splat<Float>(kFive ? -16.f : -8.f);
+    const Int qh = kFive ? L::load(pv + 16, stride) : L::zero();
+    for (int j = 0; j < Group::kQsVectors; ++j) {
+      const Int w = L::load(pv + Group::kQsOffset + 32 * j, stride);
+      if constexpr (kEight) {
+        u.q[v][j] = kVnni ? w ^ L::bytes(static_cast<int8_t>(0x80)) : w;  // VNNI: w + 128
+      } else {
+        u.q[v][j] = w & mask;
+        u.q[v][j + 4] = L::srli16(w, 4) & mask;
+        if constexpr (kFive) {
+          u.q[v][j] = u.q[v][j] | fifth_bits<L>(qh, j);
+          u.q[v][j + 4] = u.q[v][j + 4] | fifth_bits<L>(qh, j + 4);
         }
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      const int64_t i = m * xblocks + b;
-      const int8_t* xq = x.q + i * kXBlock;
-      // Two chains per vector, even and odd t, so the dot products' latencies overlap; with VNNI, Q8_0's
-      // unsigned weights (w + 128) count 128 times x's sum too, so its first chain starts at minus that.
-      const int32_t start = kEight && kVnni ? -128 * (x.sum16[2 * i] + x.sum16[2 * i + 1]) : 0;
-      Int sums[V][2];
-      for (int v = 0; v < V; ++v) sums[v][0] = L::dwords(start), sums[v][1] = L::zero();
-      for (int t = 0; t < 8; ++t) {
-        int32_t four;
-        std::memcpy(&four, xq + 4 * t, 4);
-        const Int xs = L::dwords(four);
-        for (int v = 0; v < V; ++v) {
-          Int& sum = sums[v][t % 2];
-#ifdef KVSERVE_HAS_VNNI
-          sum = L::dot(sum, q[v][t], xs);
-#else
-          if constexpr (kEight)
-            sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(q[v][t]), _mm256_sign_epi8(xs, q[v][t])));
-          else if constexpr (kFive)
-            sum = _mm256_add_epi32(sum, dot_u8s8(q[v][t], xs));
-          else
-            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q[v][t], xs));
-#endif
-        }
-      }
-      const Float x_scale = splat<Float>(x.scale[i]);
-      for (int v = 0; v < V; ++v) {
-#ifdef KVSERVE_HAS_VNNI
-        const Float dot = L::to_float(L::add32(sums[v][0], sums[v][1]));
-#else
-        constexpr bool kInt32Sums = kEight || kFive;  // else int16 pairs, widened once here
-        const Float dot = _mm256_cvtepi32_ps(
-            kInt32Sums ? _mm256_add_epi32(sums[v][0], sums[v][1])
-                       : _mm256_madd_epi16(_mm256_add_epi16(sums[v][0], sums[v][1]), _mm256_set1_epi16(1)));
-#endif
-        acc[m][v] = lanes_fma(dot, d[v] * x_scale, acc[m][v]);
-        if constexpr (!kEight) acc_offset[m][v] = lanes_fma(offset[v], splat<Float>(x.sum32[i]), acc_offset[m][v]);
       }
     }
   }
+}
+
+// The M rows of x's block b times the unpacked block u: acc[m][v] gathers the integer products with both
+// scales applied, acc_offset[m][v] the offsets' terms (a chain of their own). kBroadcastOnce: each of x's
+// broadcasts, in a register, serves the V vectors' dots (the tiles of several vectors that unpack as they
+// go); else the dots read x as dot_x does.
+template <typename Group, int M, typename L, int V, bool kBroadcastOnce>
+inline void multiply_block(const UnpackedBlock<L, V>& u, const ActivationRows& x, int64_t b,
+                           typename L::Float (&acc)[M][V], typename L::Float (&acc_offset)[M][V]) {
+  using Int = typename L::Int;
+  using Float = typename L::Float;
+  constexpr bool kFive = std::is_same_v<Group, quant::RowGroup<quant::Q5_0>>;
+  constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;
+  const int64_t xblocks = x.k / kXBlock;
+  for (int m = 0; m < M; ++m) {
+    const int64_t i = m * xblocks + b;
+    const int8_t* xq = x.q + i * kXBlock;
+    // Two chains per vector, even and odd t, so the dot products' latencies overlap; with VNNI, Q8_0's
+    // unsigned weights (w + 128) count 128 times x's sum too, so its first chain starts at minus that.
+    const int32_t start = kEight && kVnni ? -128 * (x.sum16[2 * i] + x.sum16[2 * i + 1]) : 0;
+    Int sums[V][2];
+    for (int v = 0; v < V; ++v) sums[v][0] = L::dwords(start), sums[v][1] = L::zero();
+    for (int t = 0; t < 8; ++t) {
+      const Int xs = L::four_bytes(xq + 4 * t);  // unused (and not loaded) where the dots read x (dot_x)
+      for (int v = 0; v < V; ++v) {
+        Int& sum = sums[v][t % 2];
+        const Int q = u.q[v][t];
+#ifdef KVSERVE_HAS_VNNI
+        sum = kBroadcastOnce ? L::dot(sum, q, xs) : dot_x<L, (M > 1)>(sum, q, xq + 4 * t);
+#else
+        if constexpr (kEight)
+          sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(q), _mm256_sign_epi8(xs, q)));
+        else if constexpr (kFive)
+          sum = _mm256_add_epi32(sum, dot_u8s8(q, xs));
+        else
+          sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(q, xs));
+#endif
+      }
+    }
+    const Float x_scale = splat<Float>(x.scale[i]);
+    for (int v = 0; v < V; ++v) {
+#ifdef KVSERVE_HAS_VNNI
+      const Float dot = L::to_float(L::add32(sums[v][0], sums[v][1]));
+#else
+      constexpr bool kInt32Sums = kEight || kFive;  // else int16 pairs, widened once here
+      const Float dot = _mm256_cvtepi32_ps(
+          kInt32Sums ? _mm256_add_epi32(sums[v][0], sums[v][1])
+                     : _mm256_madd_epi16(_mm256_add_epi16(sums[v][0], sums[v][1]), _mm256_set1_epi16(1)));
+#endif
+      acc[m][v] = lanes_fma(dot, u.d[v] * x_scale, acc[m][v]);
+      if constexpr (!kEight) acc_offset[m][v] = lanes_fma(u.offset[v], splat<Float>(x.sum32[i]), acc_offset[m][v]);
+    }
+  }
+}
+
+// out[m * V + v]: vector v's results for row m, the products' terms and the offsets' summed.
+template <int M, typename L, int V>
+inline void finish_rows(const typename L::Float (&acc)[M][V], const typename L::Float (&acc_offset)[M][V],
+                        typename L::Float* out) {
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < V; ++v) out[m * V + v] = acc[m][v] + acc_offset[m][v];
+}
+
+// The M rows of x times V vectors of row groups from group block row `group` on (L::kGroups * V groups,
+// `stride` bytes apart; all their blocks), each block unpacked as it comes; or, in unpacked_row_group_rows,
+// the same blocks read from `unpacked` (unpacked before: see row_group_tile). out[m * V + v]: vector v's
+// results for row m.
+template <typename Group, int M, typename L, int V>
+inline void row_group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
+  using Float = typename L::Float;
+  Float acc[M][V], acc_offset[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
+  const uint8_t* p = group;
+  for (int64_t b = 0; b < x.k / kXBlock; ++b, p += Group::kBytes) {
+    UnpackedBlock<L, V> u;
+    unpack_block<Group, L, V>(p, stride, u);
+    multiply_block<Group, M, L, V, (V > 1)>(u, x, b, acc, acc_offset);
+  }
+  finish_rows<M, L, V>(acc, acc_offset, out);
+}
+
+template <typename Group, int M, typename L, int V>
+inline void unpacked_row_group_rows(const UnpackedBlock<L, V>* unpacked, const ActivationRows& x,
+                                    typename L::Float* out) {
+  using Float = typename L::Float;
+  Float acc[M][V], acc_offset[M][V];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
+  for (int64_t b = 0; b < x.k / kXBlock; ++b) multiply_block<Group, M, L, V, false>(unpacked[b], x, b, acc, acc_offset);
+  finish_rows<M, L, V>(acc, acc_offset, out);
 }
 
 // Q4_K in row groups: per 256-element super-block the rows' d and dmin, and their 6-bit sub-block scales
@@ -394,12 +455,10 @@ inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
         const int8_t* xq = x.q + i * kXBlock;
         Int sums[2] = {L::zero(), L::zero()};  // even and odd t, as above
         for (int t = 0; t < 8; ++t) {
-          int32_t four;
-          std::memcpy(&four, xq + 4 * t, 4);
 #ifdef KVSERVE_HAS_VNNI
-          sums[t % 2] = L::dot(sums[t % 2], q[t], L::dwords(four));
+          sums[t % 2] = dot_x<L, (M > 1)>(sums[t % 2], q[t], xq + 4 * t);
 #else
-          sums[t % 2] = _mm256_add_epi16(sums[t % 2], _mm256_maddubs_epi16(q[t], L::dwords(four)));
+          sums[t % 2] = _mm256_add_epi16(sums[t % 2], _mm256_maddubs_epi16(q[t], L::four_bytes(xq + 4 * t)));
 #endif
         }
 #ifdef KVSERVE_HAS_VNNI
@@ -441,12 +500,10 @@ inline void q6_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
         const int8_t* xq = x.q + xi * kXBlock;
         Int sums[2] = {L::dwords(-32 * x.sum16[2 * xi]), L::dwords(-32 * x.sum16[2 * xi + 1])};  // scale groups
         for (int i = 0; i < 8; ++i) {
-          int32_t four;
-          std::memcpy(&four, xq + 4 * i, 4);
 #ifdef KVSERVE_HAS_VNNI
-          sums[i / 4] = L::dot(sums[i / 4], q[i], L::dwords(four));
+          sums[i / 4] = dot_x<L, (M > 1)>(sums[i / 4], q[i], xq + 4 * i);
 #else
-          sums[i / 4] = _mm256_add_epi32(sums[i / 4], dot_u8s8(q[i], L::dwords(four)));
+          sums[i / 4] = _mm256_add_epi32(sums[i / 4], dot_u8s8(q[i], L::four_bytes(xq + 4 * i)));
 #endif
         }
         const Float x_scale = splat<Float>(x.scale[xi]);
@@ -458,31 +515,59 @@ inline void q6_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   for (int m = 0; m < M; ++m) out[m] = acc[m];
 }
 
-// The M rows of x times V vectors of row groups, by the type's form.
+// The M rows of x times V vectors of row groups, by the type's form; from `unpacked` where not null.
 template <typename Group, int M, typename L, int V>
-inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
+inline void group_rows(const uint8_t* group, int64_t stride, const UnpackedBlock<L, V>* unpacked,
+                       const ActivationRows& x, typename L::Float* out) {
   if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q4_K>>)
     q4_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
   else if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q6_K>>)
     q6_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
+  else if (unpacked != nullptr)
+    unpacked_row_group_rows<Group, M, L, V>(unpacked, x, out);
   else
     row_group_rows<Group, M, L, V>(group, stride, x, out);
 }
 
+// Rows of x from which a tile of several vectors (Q8_0's) unpacks its blocks once (row_group_tile).
+constexpr int64_t kUnpackedTileRows = 32;
+
 // Every row of x times the L::kGroups * V groups from group g on, kRowChunk rows at a time, stored into y
 // (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's results beside group
 // gate_groups + g's while both are in registers, as silu_mul (layer_ops.cpp) computes them from float32.
+// A tile of several vectors (V > 1: Q8_0's two) meeting kUnpackedTileRows rows or more unpacks its blocks
+// once, into a buffer of this thread's that every chunk of rows reads, rather than once per chunk: its
+// joins of two groups' halves (16 per block) took the vector units' time that the dots need. Fewer rows,
+// and the one-vector tiles (whose nibbles fill the registers beside the dots), ran slower that way
+// (benchmarks/RESULTS.md, "x broadcast inside the dots").
 template <typename Group, typename L, int V, typename Out>
 inline void row_group_tile(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, Out* y,
                            int64_t columns, int64_t g, int64_t gate_groups) {
+  using Block = UnpackedBlock<L, V>;
+  const uint8_t* gate = w + g * group_bytes;
+  const uint8_t* up = w + (gate_groups + g) * group_bytes;
+  const Block* gate_unpacked = nullptr;
+  const Block* up_unpacked = nullptr;
+  if constexpr (V > 1) {
+    if (rows >= kUnpackedTileRows) {
+      thread_local std::vector<Block> buffer;  // the tile's blocks: the gate's (or W's), then up's
+      const int64_t blocks = x.k / kXBlock, halves = gate_groups > 0 ? 2 : 1;
+      buffer.resize(halves * blocks);
+      for (int64_t h = 0; h < halves; ++h)
+        for (int64_t b = 0; b < blocks; ++b)
+          unpack_block<Group, L, V>((h ? up : gate) + b * Group::kBytes, group_bytes, buffer[h * blocks + b]);
+      gate_unpacked = buffer.data();
+      up_unpacked = gate_groups > 0 ? buffer.data() + blocks : nullptr;
+    }
+  }
   for_row_chunks(rows, [&](int64_t m0, auto chunk) {
     constexpr int M = decltype(chunk)::value;
     typename L::Float out[M * V];
-    group_rows<Group, M, L, V>(w + g * group_bytes, group_bytes, x.from_row(m0), out);
+    group_rows<Group, M, L, V>(gate, group_bytes, gate_unpacked, x.from_row(m0), out);
     if (gate_groups > 0) {
-      typename L::Float up[M * V];
-      group_rows<Group, M, L, V>(w + (gate_groups + g) * group_bytes, group_bytes, x.from_row(m0), up);
-      for (int i = 0; i < M * V; ++i) out[i] = silu_times(out[i], up[i]);
+      typename L::Float up_out[M * V];
+      group_rows<Group, M, L, V>(up, group_bytes, up_unpacked, x.from_row(m0), up_out);
+      for (int i = 0; i < M * V; ++i) out[i] = silu_times(out[i], up_out[i]);
     }
     for (int m = 0; m < M; ++m)
       for (int v = 0; v < V; ++v)
