@@ -284,7 +284,7 @@ void gemv_kernel(const uint8_t* w, int64_t row_bytes, const Activations& x, int6
 #ifdef KVSERVE_HAS_VNNI
 // acc + u's dots with the four bytes of x at `x` in every lane: broadcast inside the dot instruction where a
 // chunk has several rows of x (kInDot), from a register for a single row, which ran the faster at batch 1
-// on Gemma 3's Q4_K and Q6_K (benchmarks/RESULTS.md, "x broadcast inside the dots").
+// on Gemma 3's layers (benchmarks/RESULTS.md, "x broadcast inside the dots").
 template <typename L, bool kInDot>
 inline typename L::Int dot_x(typename L::Int acc, typename L::Int u, const int8_t* x) {
   if constexpr (kInDot)
