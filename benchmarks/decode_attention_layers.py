@@ -2,18 +2,20 @@
 call per layer, each layer with its own KV pool on huge pages (as the engine allocates it), so each call
 finds its K/V out of cache as it does between a step's layers.
 
-Kernels (bf16 caches, SmolLM2-135M's attention shape: 9 query heads, 3 KV heads, head dim 64, block 16,
-block tables shuffled as a busy pool leaves them):
+Kernels (bf16 caches, SmolLM2-135M's attention shape by default: 9 query heads, 3 KV heads, head dim 64;
+--heads 4,1,256 for Gemma 3 270M's; blocks of 16, block tables shuffled as a busy pool leaves them):
 - "bf16": decode_attention_bf16.cpp (AVX512-BF16 builds);
 - "widened": decode_attention.cpp's float32 kernel, the path of AVX2 and plain builds
   (set_bf16_attention off);
-- "amx": decode_attention_amx.cpp where the CPU has AMX (set_amx_attention off for the other two).
+- "bf16-whole", "widened-whole": the same with the key split off (set_attention_key_split), which
+  otherwise shares few decode rows' keys among the threads (decode_attention_key_split.h);
+- "amx": decode_attention_amx.cpp where the CPU has AMX (set_amx_attention off for the others).
 Rounds alternate the kernels, so a change in this VM's speed hits each alike. Printed per batch shape:
 the median over rounds of each round's best of --repeats passes, ms per layer call, the K/V bytes read
 per second and their share of the read bandwidth measured in the same run (roofs.py's stream_read).
 
-    python benchmarks/decode_attention_layers.py [--shapes 100x190 32x512 1x2048] [--layers 30]
-        [--rounds 6] [--repeats 3] [--out PATH]
+    python benchmarks/decode_attention_layers.py [--shapes 100x190 32x512 1x2048] [--heads 9,3,64]
+        [--layers 30] [--rounds 6] [--repeats 3] [--out PATH]
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ from kvserve.kernels.attention_ref import random_paged_inputs
 from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.model.huge_pages import empty_on_huge_pages
 
-HQ, HKV, D, BLOCK = 9, 3, 64, 16
-SCALE = D**-0.5
+BLOCK = 16
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
@@ -42,37 +43,44 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def layer_inputs(batch: int, keys: int, layers: int) -> list[tuple]:
+def layer_inputs(batch: int, keys: int, heads: tuple[int, int, int], layers: int) -> list[tuple]:
     inputs = []
     for seed in range(layers):
-        q, k, v, meta = random_paged_inputs([1] * batch, [keys] * batch, HQ, HKV, D, BLOCK, torch.bfloat16, seed)
+        q, k, v, meta = random_paged_inputs([1] * batch, [keys] * batch, *heads, BLOCK, torch.bfloat16, seed)
         inputs.append((q, on_huge_pages(k), on_huge_pages(v), meta))
     return inputs
 
 
-def kernel_switches(kernels) -> dict[str, tuple[bool, bool]]:
-    """name -> (AMX allowed, AVX512-BF16 allowed), for the kernels this build and CPU run."""
-    switches = {"widened": (False, False)}
+def kernel_switches(kernels) -> dict[str, tuple[bool, bool, bool]]:
+    """name -> (AMX allowed, AVX512-BF16 allowed, key split allowed), for the kernels this build and CPU run."""
+    switches = {"widened": (False, False, True), "widened-whole": (False, False, False)}
     if cpu_isa.selected().bf16:  # the build has AVX512-BF16 (or AMX, whose builds have it too)
-        switches["bf16"] = (False, True)
+        switches["bf16"] = (False, True, True)
+        switches["bf16-whole"] = (False, True, False)
     if kernels.amx_available():
-        switches["amx"] = (True, False)
+        switches["amx"] = (True, False, False)
     return switches
 
 
-def one_pass_ms(kernels, inputs: list[tuple]) -> float:
+def set_switches(kernels, amx: bool, bf16: bool, split: bool) -> tuple[bool, bool, bool]:
+    """Sets the kernel switches; returns their previous settings."""
+    return kernels.set_amx_attention(amx), kernels.set_bf16_attention(bf16), kernels.set_attention_key_split(split)
+
+
+def one_pass_ms(kernels, inputs: list[tuple], scale: float) -> float:
     """ms per layer call over one pass through every layer."""
     seq_ids = torch.arange(inputs[0][3].seq_lens.numel(), dtype=torch.int64)
     out = torch.empty_like(inputs[0][0])
     start = time.perf_counter()
     for q, k, v, meta in inputs:
-        kernels.decode_attention(out, q, k, v, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, seq_ids, SCALE, 0)
+        kernels.decode_attention(out, q, k, v, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, seq_ids, scale, 0)
     return (time.perf_counter() - start) / len(inputs) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["100x190", "32x512", "1x2048"], help="BATCHxKEYS")
+    parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3, help="passes per kernel and round (the best counts)")
@@ -83,23 +91,25 @@ def main() -> None:
         raise SystemExit("decode_attention_layers needs kvserve's compiled CPU kernels")
     stream = stream_read(1 << 30, huge_pages=True)["gb_s"]
     switches = kernel_switches(kernels)
+    hq, hkv, dim = heads = tuple(int(n) for n in args.heads.split(","))
+    scale = dim**-0.5
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; stream read {stream:.1f} GB/s (huge pages)")
-    print(f"{'shape':>9} {'kernel':>8} {'ms/layer':>9} {'GB/s':>6} {'stream':>7} {'vs widened':>11}")
+    print(f"heads {hq} query, {hkv} KV, dim {dim}")
+    print(f"{'shape':>9} {'kernel':>13} {'ms/layer':>9} {'GB/s':>6} {'stream':>7} {'vs widened':>11}")
     rows = []
     for shape in args.shapes:
         batch, keys = (int(n) for n in shape.split("x"))
-        inputs = layer_inputs(batch, keys, args.layers)
-        kv_bytes = batch * keys * HKV * D * 2 * 2
+        inputs = layer_inputs(batch, keys, heads, args.layers)
+        kv_bytes = batch * keys * hkv * dim * 2 * 2
         times: dict[str, list[float]] = {name: [] for name in switches}
         for _ in range(args.rounds):
-            for name, (amx, bf16) in switches.items():
-                previous = kernels.set_amx_attention(amx), kernels.set_bf16_attention(bf16)
+            for name, setting in switches.items():
+                previous = set_switches(kernels, *setting)
                 try:
-                    one_pass_ms(kernels, inputs)  # the warm-up pass
-                    times[name].append(min(one_pass_ms(kernels, inputs) for _ in range(args.repeats)))
+                    one_pass_ms(kernels, inputs, scale)  # the warm-up pass
+                    times[name].append(min(one_pass_ms(kernels, inputs, scale) for _ in range(args.repeats)))
                 finally:
-                    kernels.set_amx_attention(previous[0])
-                    kernels.set_bf16_attention(previous[1])
+                    set_switches(kernels, *previous)
         widened = statistics.median(times["widened"])
         for name, ts in times.items():
             ms = statistics.median(ts)
@@ -116,10 +126,17 @@ def main() -> None:
                 }
             )
             print(
-                f"{shape:>9} {name:>8} {ms:>9.3f} {gb_s:>6.1f} {gb_s / stream:>6.0%} {widened / ms:>10.2f}x", flush=True
+                f"{shape:>9} {name:>13} {ms:>9.3f} {gb_s:>6.1f} {gb_s / stream:>6.0%} {widened / ms:>10.2f}x",
+                flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "layers": args.layers, "stream_gb_s": stream}
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "heads": {"query": hq, "kv": hkv, "dim": dim},
+        "layers": args.layers,
+        "stream_gb_s": stream,
+    }
     args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 

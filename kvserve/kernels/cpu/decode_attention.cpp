@@ -1,9 +1,18 @@
 // Decode attention over the paged KV cache (the reference: kernels/attention_ref.py).
 #include "decode_attention.h"
+#include "decode_attention_key_split.h"
 #include "ops.h"
 #include "work_claims.h"
 
+#include <atomic>
+
 namespace kvserve {
+
+namespace {
+std::atomic<bool> key_split_enabled{true};
+}  // namespace
+
+bool set_attention_key_split(bool enabled) { return key_split_enabled.exchange(enabled); }
 
 // Tiled attention (FlashAttention's online softmax) for sequences with few new tokens, reading K/V
 // straight from the paged cache. One work item is one sequence (or, with few sequences, one sequence
@@ -19,7 +28,8 @@ namespace kvserve {
 // seq_ids: which sequences to process. out: [>= T, Hq, D] contiguous; only their rows are written.
 // bf16 caches go to the AMX kernel (decode_attention_amx.cpp) where the CPU has it and the shapes fit,
 // else to the AVX512-BF16 one (decode_attention_bf16.cpp) where the build has it; this kernel takes the
-// rest (float32 caches; bf16 on AVX2 and plain builds), its products in float32 over widened tiles.
+// rest (float32 caches; bf16 on AVX2 and plain builds), its products in float32 over widened tiles. Few
+// decode rows on the two vector kernels are split by keys among the threads (decode_attention_key_split.h).
 
 #ifdef __AVX2__
 // Lane j of the result is the sum of the 8 lanes of v[j]: 6 horizontal adds, 2 lane swaps and an add.
@@ -204,7 +214,7 @@ void decode_attention_kernel(const DecodeProblem& p, const T* q, const T* k_cach
       }
       for (int64_t r = 0; r < nrows; ++r) {
         const QueryRow row = query_row(r % head_rows, first_head + r / head_rows, group);
-        store_normalized(out + ((row0 + row.token) * hq + row.q_head) * dim, &acc[r * width], l[r], dim);
+        store_row(p, out, (row0 + row.token) * hq + row.q_head, &acc[r * width], m[r], l[r]);
       }
     }
   });
@@ -246,12 +256,18 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
                                                               raw<scalar_t>(v_cache), raw<scalar_t>(out))) {
       return;
     }
-    if (decode_attention_bf16(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
-                              raw<scalar_t>(out))) {
-      return;
+    const auto vector_kernel = [&](const DecodeProblem& p, const raw_t<scalar_t>* q_rows, raw_t<scalar_t>* out_rows) {
+      if (!decode_attention_bf16(p, q_rows, raw<scalar_t>(k_cache), raw<scalar_t>(v_cache), out_rows)) {
+        decode_attention_kernel(p, q_rows, raw<scalar_t>(k_cache), raw<scalar_t>(v_cache), out_rows);
+      }
+    };
+    const int64_t parts =
+        key_split_enabled.load() ? key_split_parts(problem, at::get_num_threads(), sizeof(scalar_t)) : 0;
+    if (parts > 0) {
+      decode_attention_key_split(problem, parts, raw<scalar_t>(q), raw<scalar_t>(out), vector_kernel);
+    } else {
+      vector_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(out));
     }
-    decode_attention_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(k_cache), raw<scalar_t>(v_cache),
-                            raw<scalar_t>(out));
   });
 }
 

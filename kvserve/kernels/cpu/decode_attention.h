@@ -18,6 +18,10 @@ struct DecodeProblem {
   int64_t num_seqs;
   float scale;
   int64_t window;  // a query at position p sees keys p - window + 1 .. p; 0: keys 0 .. p (no window)
+  // Set for one part of a key split (decode_attention_key_split.h): each row's output goes here in float32,
+  // normalized over the part's keys, with its log-sum-exp in `lse`, instead of into out.
+  float* partial = nullptr;
+  float* lse = nullptr;  // per row: m + log l, the scaled scores' log-sum-exp over the part's keys
 };
 
 // The first key a query at `position` sees: 0, or with a window its window's first key.
@@ -29,7 +33,10 @@ inline int64_t first_visible_key(int64_t position, int64_t window) {
 // read each tile's K/V rows as one contiguous run, faster with the cache cold, as it is between a step's
 // layers, than one item per head. One head per item only where there are too few sequences to keep every
 // thread busy (figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
-inline int64_t heads_per_item(const DecodeProblem& p) { return p.num_seqs >= 2 * at::get_num_threads() ? p.hkv : 1; }
+inline int64_t heads_per_item(int64_t seqs, int64_t hkv, int64_t threads) { return seqs >= 2 * threads ? hkv : 1; }
+inline int64_t heads_per_item(const DecodeProblem& p) {
+  return heads_per_item(p.num_seqs, p.hkv, at::get_num_threads());
+}
 
 // The first key of the first tile a query row at `position` reads: its window's start (0 without a
 // window), rounded down to a tile inside its cache block. A run of rows in query_row's order reads from
@@ -112,6 +119,18 @@ inline void store_normalized(T* __restrict dst, const float* __restrict acc, flo
   const float inv = 1.f / l;
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) dst[i] = from_float<T>(acc[i] * inv);
+}
+
+// Where a kernel leaves output row `at` ((token row) * hq + query head), acc / l: in out, or for a key
+// split's part in p.partial with the row's log-sum-exp m + log l (p = exp(scale * q.k - m) in both kernels).
+template <typename T>
+inline void store_row(const DecodeProblem& p, T* out, int64_t at, const float* acc, float m, float l) {
+  if (p.partial == nullptr) {
+    store_normalized(out + at * p.dim, acc, l, p.dim);
+    return;
+  }
+  store_normalized(p.partial + at * p.dim, acc, l, p.dim);
+  p.lse[at] = m + std::log(l);
 }
 
 // One row's online-softmax step for keys `first` .. `visible` - 1 of a tile (first < visible; keys before

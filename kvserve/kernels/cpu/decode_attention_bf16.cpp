@@ -285,8 +285,8 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
         for (int64_t r = 0; r < nrows; ++r) {
           const QueryRow row = query_row(first_row + r % rows, first_head + r / rows, group);
           for (int64_t d = 0; d < dim; ++d) natural[d] = out_rows[r * dim + pair_order_index(d)];
-          store_normalized(out + ((row0 + row.token) * hq + row.q_head) * dim, natural.data(),
-                           _mm512_reduce_add_ps(softmax[r].l), dim);
+          store_row(p, out, (row0 + row.token) * hq + row.q_head, natural.data(), softmax[r].m,
+                    _mm512_reduce_add_ps(softmax[r].l));
         }
       }
     }
