@@ -3,7 +3,8 @@ call per layer, each layer with its own KV pool on huge pages (as the engine all
 finds its K/V out of cache as it does between a step's layers.
 
 Kernels (bf16 caches, SmolLM2-135M's attention shape by default: 9 query heads, 3 KV heads, head dim 64;
---heads 4,1,256 for Gemma 3 270M's; blocks of 16, block tables shuffled as a busy pool leaves them):
+--heads 4,1,256 for Gemma 3 270M's, --window 512 for its sliding layers; blocks of 16, block tables shuffled
+as a busy pool leaves them):
 - "bf16": decode_attention_bf16.cpp (AVX512-BF16 builds);
 - "widened": decode_attention.cpp's float32 kernel, the path of AVX2 and plain builds
   (set_bf16_attention off);
@@ -15,7 +16,7 @@ the median over rounds of each round's best of --repeats passes, ms per layer ca
 per second and their share of the read bandwidth measured in the same run (roofs.py's stream_read).
 
     python benchmarks/decode_attention_layers.py [--shapes 100x190 32x512 1x2048] [--heads 9,3,64]
-        [--layers 30] [--rounds 6] [--repeats 3] [--out PATH]
+        [--window 0] [--layers 30] [--rounds 6] [--repeats 3] [--out PATH]
 """
 
 from __future__ import annotations
@@ -67,13 +68,15 @@ def set_switches(kernels, amx: bool, bf16: bool, split: bool) -> tuple[bool, boo
     return kernels.set_amx_attention(amx), kernels.set_bf16_attention(bf16), kernels.set_attention_key_split(split)
 
 
-def one_pass_ms(kernels, inputs: list[tuple], scale: float) -> float:
+def one_pass_ms(kernels, inputs: list[tuple], scale: float, window: int) -> float:
     """ms per layer call over one pass through every layer."""
     seq_ids = torch.arange(inputs[0][3].seq_lens.numel(), dtype=torch.int64)
     out = torch.empty_like(inputs[0][0])
     start = time.perf_counter()
     for q, k, v, meta in inputs:
-        kernels.decode_attention(out, q, k, v, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, seq_ids, scale, 0)
+        kernels.decode_attention(
+            out, q, k, v, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, seq_ids, scale, window
+        )
     return (time.perf_counter() - start) / len(inputs) * 1e3
 
 
@@ -81,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["100x190", "32x512", "1x2048"], help="BATCHxKEYS")
     parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
+    parser.add_argument("--window", type=int, default=0, help="sliding window in keys (0: none)")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3, help="passes per kernel and round (the best counts)")
@@ -94,20 +98,22 @@ def main() -> None:
     hq, hkv, dim = heads = tuple(int(n) for n in args.heads.split(","))
     scale = dim**-0.5
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; stream read {stream:.1f} GB/s (huge pages)")
-    print(f"heads {hq} query, {hkv} KV, dim {dim}")
+    print(f"heads {hq} query, {hkv} KV, dim {dim}; window {args.window or 'none'}")
     print(f"{'shape':>9} {'kernel':>13} {'ms/layer':>9} {'GB/s':>6} {'stream':>7} {'vs widened':>11}")
     rows = []
     for shape in args.shapes:
         batch, keys = (int(n) for n in shape.split("x"))
         inputs = layer_inputs(batch, keys, heads, args.layers)
-        kv_bytes = batch * keys * hkv * dim * 2 * 2
+        kv_bytes = batch * min(keys, args.window or keys) * hkv * dim * 2 * 2  # the keys each row reads
         times: dict[str, list[float]] = {name: [] for name in switches}
         for _ in range(args.rounds):
             for name, setting in switches.items():
                 previous = set_switches(kernels, *setting)
                 try:
-                    one_pass_ms(kernels, inputs, scale)  # the warm-up pass
-                    times[name].append(min(one_pass_ms(kernels, inputs, scale) for _ in range(args.repeats)))
+                    one_pass_ms(kernels, inputs, scale, args.window)  # the warm-up pass
+                    times[name].append(
+                        min(one_pass_ms(kernels, inputs, scale, args.window) for _ in range(args.repeats))
+                    )
                 finally:
                     set_switches(kernels, *previous)
         widened = statistics.median(times["widened"])
@@ -134,6 +140,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "heads": {"query": hq, "kv": hkv, "dim": dim},
+        "window": args.window,
         "layers": args.layers,
         "stream_gb_s": stream,
     }

@@ -57,8 +57,12 @@ SPLIT_CASES = [
     # Gemma 3's heads (4 per KV head, dim 256), in blocks of 32; and within its sliding window
     ([600], 4, 1, 256, 32, None),
     ([512], 4, 1, 256, 16, 512),
-    # 3 sequences, 2 parts of the longest, the others whole; one-key blocks, GQA 8:1, head dim 128
-    ([1100, 64, 300], 8, 1, 128, 1, None),
+    # its window cutting the keys: 2 parts of 256 tile the last 512, which start one key into a block
+    ([1041], 4, 1, 256, 16, 512),
+    # three sequences, two longer than the window, one shorter; the parts tile a window of 400 keys
+    ([2000, 300, 999], 6, 3, 256, 16, 400),
+    # 3 sequences, 2 parts of the longest, the others whole; one-key blocks, head dim 128
+    ([1100, 64, 300], 9, 3, 128, 1, None),
     # head dim 32 in blocks of 5
     ([4000], 6, 3, 32, 5, None),
 ]
@@ -99,19 +103,20 @@ def test_split_merges_parts_whose_scores_differ_by_hundreds(kernels) -> None:
 
 
 NO_SPLIT_CASES = [
-    # (query_lens, seq_lens, window): why no split applies
-    ([1], [511], None),  # too short: the busiest thread's excess is below kMinExcessBytes
-    ([1, 1], [1024, 1024], None),  # 6 items: the threads' shares are equal already
-    ([1, 1, 1, 1], [1024] * 4, None),  # 2 sequences per thread: whole sequences already share out
-    ([2], [1024], None),  # a verify row of 2 tokens, not a decode row
-    ([1], [2048], 100),  # a window shorter than the context: the parts' windows cannot express it
+    # (query_lens, seq_lens, heads, kv_heads, head_dim, window): why no split applies
+    ([1], [511], 9, 3, 64, None),  # too short: the busiest thread's excess is below kMinExcessBytes
+    ([1, 1], [1024, 1024], 9, 3, 64, None),  # 6 items: the threads' shares are equal already
+    ([1, 1, 1], [2048] * 3, 4, 1, 256, None),  # several sequences of a single KV head
+    ([1, 1, 1, 1], [1024] * 4, 9, 3, 64, None),  # 2 sequences per thread: whole sequences already share out
+    ([2], [1024], 4, 1, 256, None),  # a verify row of 2 tokens, not a decode row
+    ([1], [2048], 4, 1, 256, 1001),  # a window that cuts the keys and 2 parts cannot tile exactly
 ]
 
 
-@pytest.mark.parametrize(("query_lens", "seq_lens", "window"), NO_SPLIT_CASES)
-def test_no_split_where_it_does_not_apply(kernels, query_lens, seq_lens, window) -> None:
+@pytest.mark.parametrize(("query_lens", "seq_lens", "heads", "kv_heads", "head_dim", "window"), NO_SPLIT_CASES)
+def test_no_split_where_it_does_not_apply(kernels, query_lens, seq_lens, heads, kv_heads, head_dim, window) -> None:
     for dtype, bf16 in kernel_runs():
-        inputs = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, dtype, 4)
+        inputs = random_paged_inputs(query_lens, seq_lens, heads, kv_heads, head_dim, 16, dtype, 4)
         split = attention(kernels, inputs, 0.125, window, bf16=bf16, split=True)
         whole = attention(kernels, inputs, 0.125, window, bf16=bf16, split=False)
         assert torch.equal(split, whole)
