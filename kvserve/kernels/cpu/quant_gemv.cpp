@@ -388,42 +388,30 @@ inline void multiply_block(const UnpackedBlock<L, V>& u, const ActivationRows& x
   }
 }
 
-// out[m * V + v]: vector v's results for row m, the products' terms and the offsets' summed.
-template <int M, typename L, int V>
-inline void finish_rows(const typename L::Float (&acc)[M][V], const typename L::Float (&acc_offset)[M][V],
-                        typename L::Float* out) {
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < V; ++v) out[m * V + v] = acc[m][v] + acc_offset[m][v];
-}
-
 // The M rows of x times V vectors of row groups from group block row `group` on (L::kGroups * V groups,
-// `stride` bytes apart; all their blocks), each block unpacked as it comes; or, in unpacked_row_group_rows,
-// the same blocks read from `unpacked` (unpacked before: see row_group_tile). out[m * V + v]: vector v's
-// results for row m.
+// `stride` bytes apart; all their blocks), each block unpacked as it comes, or read from `unpacked` where
+// that is not null (a tile of several vectors unpacked before: see row_group_tile). out[m * V + v]: vector
+// v's results for row m, the products' terms and the offsets' summed.
 template <typename Group, int M, typename L, int V>
-inline void row_group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
+inline void row_group_rows(const uint8_t* group, int64_t stride, const UnpackedBlock<L, V>* unpacked,
+                           const ActivationRows& x, typename L::Float* out) {
   using Float = typename L::Float;
   Float acc[M][V], acc_offset[M][V];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
-  const uint8_t* p = group;
-  for (int64_t b = 0; b < x.k / kXBlock; ++b, p += Group::kBytes) {
+  for (int64_t b = 0; b < x.k / kXBlock; ++b) {
+    if constexpr (V > 1) {  // only tiles of several vectors are ever unpacked before
+      if (unpacked != nullptr) {
+        multiply_block<Group, M, L, V, false>(unpacked[b], x, b, acc, acc_offset);
+        continue;
+      }
+    }
     UnpackedBlock<L, V> u;
-    unpack_block<Group, L, V>(p, stride, u);
+    unpack_block<Group, L, V>(group + b * Group::kBytes, stride, u);
     multiply_block<Group, M, L, V, (V > 1)>(u, x, b, acc, acc_offset);
   }
-  finish_rows<M, L, V>(acc, acc_offset, out);
-}
-
-template <typename Group, int M, typename L, int V>
-inline void unpacked_row_group_rows(const UnpackedBlock<L, V>* unpacked, const ActivationRows& x,
-                                    typename L::Float* out) {
-  using Float = typename L::Float;
-  Float acc[M][V], acc_offset[M][V];
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
-  for (int64_t b = 0; b < x.k / kXBlock; ++b) multiply_block<Group, M, L, V, false>(unpacked[b], x, b, acc, acc_offset);
-  finish_rows<M, L, V>(acc, acc_offset, out);
+    for (int v = 0; v < V; ++v) out[m * V + v] = acc[m][v] + acc_offset[m][v];
 }
 
 // Q4_K in row groups: per 256-element super-block the rows' d and dmin, and their 6-bit sub-block scales
@@ -523,10 +511,8 @@ inline void group_rows(const uint8_t* group, int64_t stride, const UnpackedBlock
     q4_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
   else if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q6_K>>)
     q6_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
-  else if (unpacked != nullptr)
-    unpacked_row_group_rows<Group, M, L, V>(unpacked, x, out);
   else
-    row_group_rows<Group, M, L, V>(group, stride, x, out);
+    row_group_rows<Group, M, L, V>(group, stride, unpacked, x, out);
 }
 
 // Rows of x from which a tile of several vectors (Q8_0's) unpacks its blocks once (row_group_tile).
