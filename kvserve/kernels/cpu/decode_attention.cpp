@@ -261,10 +261,10 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
         decode_attention_kernel(p, q_rows, raw<scalar_t>(k_cache), raw<scalar_t>(v_cache), out_rows);
       }
     };
-    const int64_t parts =
-        key_split_enabled.load() ? key_split_parts(problem, at::get_num_threads(), sizeof(scalar_t)) : 0;
-    if (parts > 0) {
-      decode_attention_key_split(problem, parts, raw<scalar_t>(q), raw<scalar_t>(out), vector_kernel);
+    const int64_t part_keys =
+        key_split_enabled.load() ? key_split_part_keys(problem, at::get_num_threads(), sizeof(scalar_t)) : 0;
+    if (part_keys > 0) {
+      decode_attention_key_split(problem, part_keys, raw<scalar_t>(q), raw<scalar_t>(out), vector_kernel);
     } else {
       vector_kernel(problem, raw<scalar_t>(q), raw<scalar_t>(out));
     }

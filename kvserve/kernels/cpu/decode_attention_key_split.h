@@ -31,16 +31,16 @@ inline int64_t decode_row_keys(const DecodeProblem& p, int64_t seq) {
   return p.seq_lens[seq] - first_visible_key(p.seq_lens[seq] - 1, p.window);
 }
 
-// The parts each sequence's keys are split into, or 0 where no split applies. A split applies where the
-// threads get unequal shares of the items -- `threads` > 1 and fewer than 2 sequences per thread (single
-// KV heads per item), their count not a multiple of the threads -- by at least kMinExcessBytes (counting
-// every sequence as long as the longest), and every row is a decode row (one new token). Not for several
-// sequences of a single KV head (Gemma 3): there the parts only even out whole-sequence items, which
-// measured neutral to slower; with several KV heads they also become whole-sequence items, whose K/V rows
-// are read as one run (heads_per_item). The fewest parts whose items share out evenly; where a sliding
-// window cuts a sequence's keys, only a number of parts that divides the window, so that the parts (each a
-// window of its own) tile it exactly.
-inline int64_t key_split_parts(const DecodeProblem& p, int64_t threads, int64_t element_bytes) {
+// How many keys each part of a split holds (the most keys a row sees, over the number of parts), or 0 where
+// no split applies. A split applies where the threads get unequal shares of the items -- `threads` > 1 and
+// fewer than 2 sequences per thread (single KV heads per item), their count not a multiple of the threads --
+// by at least kMinExcessBytes (counting every sequence as long as the longest), and every row is a decode
+// row (one new token). Not for several sequences of a single KV head (Gemma 3): there the parts only even
+// out whole-sequence items, which measured neutral to slower; with several KV heads they also become
+// whole-sequence items, whose K/V rows are read as one run (heads_per_item). The fewest parts whose items
+// share out evenly; where a sliding window cuts a sequence's keys, only a number of parts that divides the
+// window, so that the parts (each a window of its own) tile it exactly.
+inline int64_t key_split_part_keys(const DecodeProblem& p, int64_t threads, int64_t element_bytes) {
   const int64_t items = vector_items(p.num_seqs, p.hkv, threads);
   if (threads < 2 || p.num_seqs >= 2 * threads || items % threads == 0 || (p.num_seqs > 1 && p.hkv == 1)) return 0;
   int64_t max_keys = 0;
@@ -55,22 +55,19 @@ inline int64_t key_split_parts(const DecodeProblem& p, int64_t threads, int64_t 
   if ((busiest * threads - items) * item_bytes < kMinExcessBytes * threads) return 0;
   int64_t parts = 2;  // at most `threads`: then num_seqs * threads items, or that times hkv, share out
   while (vector_items(p.num_seqs * parts, p.hkv, threads) % threads != 0) ++parts;
-  return window_cuts && p.window % parts != 0 ? 0 : parts;
+  if (window_cuts && p.window % parts != 0) return 0;
+  return (max_keys + parts - 1) / parts;
 }
 
-// Runs `vector_kernel(problem, q, out)` (a vector kernel of decode_attention.cpp) over `parts` parts of
-// the keys each sequence's row sees and merges them into out's rows. part_keys: the most keys a row sees,
-// over `parts` (with a window that cuts some sequence's keys, the window over `parts`, exactly). Part i of
+// Runs `vector_kernel(problem, q, out)` (a vector kernel of decode_attention.cpp) over parts of part_keys
+// keys (key_split_part_keys) of the keys each sequence's row sees and merges them into out's rows. Part i of
 // a sequence of n keys is keys n - (i + 1) * part_keys .. n - i * part_keys - 1 (from its first visible key
 // for the last), run as a sequence of n - i * part_keys keys whose query sees a window of part_keys; its
 // table row and query row are copied, so the parts are sequences 0 .. V - 1 of a problem of their own.
 template <typename T, typename VectorKernel>
-void decode_attention_key_split(const DecodeProblem& p, int64_t parts, const T* q, T* out,
+void decode_attention_key_split(const DecodeProblem& p, int64_t part_keys, const T* q, T* out,
                                 const VectorKernel& vector_kernel) {
   const int64_t hq = p.hq, dim = p.dim, width = p.table_width;
-  int64_t max_keys = 0;
-  for (int64_t s = 0; s < p.num_seqs; ++s) max_keys = std::max(max_keys, decode_row_keys(p, p.seq_ids[s]));
-  const int64_t part_keys = (max_keys + parts - 1) / parts;
 
   std::vector<int64_t> tables, seq_lens, first_part(p.num_seqs + 1, 0);  // sequence s: parts first_part[s] ..
   std::vector<T> q_rows;
