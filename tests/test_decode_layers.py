@@ -51,7 +51,7 @@ def test_batched_decode_takes_the_compiled_step_where_the_tile_kernels_run(llm_b
     """Five sequences decoding together are five rows: past the GEMV, so the compiled step runs only
     where every projection has packed tiles (linear_amx, or linear_tiles_fma where the CPU has no AMX and
     the probe chose it), and then gives the Python loop's tokens."""
-    tiled = llm_bf16.engine.model.compiled_decode.tiles is not None
+    tiled = bool(llm_bf16.engine.model.compiled_decode.decode_model.tiles)
     assert tiled == (linear.batched_product_kernel() in linear.TILE_PRODUCTS)
     try:
         compiled, ran = generate(llm_bf16, BATCH, compiled=True)
@@ -84,7 +84,7 @@ def test_speculative_verify_steps_take_the_compiled_step_and_give_the_same_token
     speculative = {"method": "ngram", "num_tokens": 4, "adaptive": False}
     llm = LLM(dtype="bfloat16", enable_prefix_caching=False, speculative=speculative)
     compiled_step = llm.engine.model.compiled_decode
-    if compiled_step is None or compiled_step.tiles is None:
+    if compiled_step is None or not compiled_step.decode_model.tiles:
         pytest.skip("verify steps of several rows take the compiled step only with packed tiles")
     repetitive = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "the cat sat on the mat, the cat sat on the mat,"]
     steps_before = llm.engine.stats()["steps"]

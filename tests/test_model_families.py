@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvserve import LLM, SamplingParams
 from kvserve.engine.startup_report import compiled_decode_summary
 from kvserve.kernels.backends import get_attention_backend
+from kvserve.model.compiled_decode import decode_model_arguments, product_of
 from kvserve.model.families import family_for_hf
 from kvserve.model.hf import read_hf_config
 from kvserve.model.linear import gemv_kernels
@@ -207,19 +208,21 @@ def test_the_compiled_decode_step_gives_the_python_loops_tokens(checkpoints, fam
     assert runs[True][0] == runs[False][0]
 
 
-def test_the_compiled_step_refuses_a_q_head_norm_without_its_k_norm(checkpoints, caplog):
+def test_the_compiled_step_refuses_a_q_head_norm_without_its_k_norm(checkpoints):
     """decode_layers takes each layer's extras by position (kernels.DECODE_LAYER_EXTRAS, ops.h's order): a
-    q head norm whose k norm is missing is refused by name, never applied with another tensor. The engine
-    fails the step's requests and logs why (engine.py), as for any failed forward pass."""
+    q head norm whose k norm is missing is refused by name when the model's DecodeModel is built, never
+    applied with another tensor."""
     if gemv_kernels() is None:
         pytest.skip("the compiled CPU kernels do not build here")
     llm = kvserve_llm(checkpoints["qwen3"][0], dtype="bfloat16", enable_prefix_caching=False)
-    step = llm.engine.model.compiled_decode
-    k_norm = step.kernels.DECODE_LAYER_EXTRAS.index("k_norm")
-    assert step.extras[0][k_norm].numel() > 0
-    step.extras[0][k_norm] = torch.empty(0)
-    llm.generate([PROMPTS[0]], GREEDY)
-    assert "layer 0 has a q head norm but no k head norm" in caplog.text
+    model, step = llm.engine.model, llm.engine.model.compiled_decode
+    arguments = decode_model_arguments(model, step.kernels, [[product_of(p) for p in layer] for layer in model.linears])
+    step.kernels.DecodeModel(**arguments)  # as the model gives them: accepted
+    k_norm = step.kernels.DECODE_LAYER_EXTRAS.index("k_norm")  # layer 0's, the extras being flat per layer
+    assert arguments["extras"][k_norm].numel() > 0
+    arguments["extras"][k_norm] = torch.empty(0)
+    with pytest.raises(RuntimeError, match="layer 0 has a q head norm but no k head norm"):
+        step.kernels.DecodeModel(**arguments)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA with triton the backend is given")

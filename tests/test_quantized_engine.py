@@ -76,7 +76,8 @@ def test_the_compiled_decode_step_takes_the_blocks_and_gives_the_python_loops_to
     """Without prefix caching, so that both runs prefill the same rows through the same kernels."""
     llm = LLM(quantization="auto", dtype="float32", enable_prefix_caching=False)
     # every projection of SmolLM2's file is Q4_1 with a multiple of 8 rows: all in row groups
-    assert llm.engine.model.compiled_decode.block_types == [ROW_GROUP_TYPE_OFFSET + GGMLQuantizationType.Q4_1] * 120
+    block_types = llm.engine.model.compiled_decode.decode_model.block_types
+    assert block_types == [ROW_GROUP_TYPE_OFFSET + GGMLQuantizationType.Q4_1] * 120
     try:
         compiled, ran = generate(llm, BATCH[:rows], compiled=True)
         python, ran_without = generate(llm, BATCH[:rows], compiled=False)

@@ -113,7 +113,7 @@ def test_the_compiled_decode_step_multiplies_fused_parts_one_by_one(quantized_gg
         model=str(quantized_gguf), dtype="float32", num_kv_blocks=48, quantization="auto", enable_prefix_caching=False
     )
     step = llm.engine.model.compiled_decode
-    assert step is not None and max(step.parts_per_projection) == 2
+    assert step is not None and max(step.decode_model.parts) == 2
     runs = {}
     for compiled in (True, False):
         llm.engine.runner.compiled_decode = compiled

@@ -6,9 +6,9 @@ bias, q/k head norms, norms after attention and MLP, tanh-GELU gating, a RoPE ta
 per layer. It needs every projection to be a bf16 KernelLinear, or every one quantized (QuantizedLinear,
 or StackedQuantizedLinear for a fused projection whose parts differ in block type; any dtype). It takes
 each layer's tensors in the order a step runs them (a quantized part as its blocks, with the block types),
-and their packed tiles (linear_amx's, or linear_tiles_fma's without AMX) where every projection has them.
-It then takes up to AMX_MAX_ROWS rows (quant_linear takes any number; the one limit keeps the step's cost
-model), else the GEMV's few.
+and their packed tiles (linear_amx's, or linear_tiles_fma's without AMX) where every projection has them,
+once, as a kernels.DecodeModel; a step passes only its rows. It then takes up to AMX_MAX_ROWS rows
+(quant_linear takes any number; the one limit keeps the step's cost model), else the GEMV's few.
 
 Invariant: the tensors it holds are the model's own (views, no copies), so it reads the same weights and
 gives the Python loop's tokens (tests/test_decode_layers.py, tests/test_model_families.py).
@@ -17,7 +17,7 @@ gives the Python loop's tokens (tests/test_decode_layers.py, tests/test_model_fa
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,31 +53,42 @@ def product_parts(linear: LinearFn, weight: Weight) -> list[torch.Tensor | Quant
     return [weight]
 
 
+def decode_model_arguments(model: LlamaModel, kernels: ModuleType, projections: list[list[LinearFn]]) -> dict[str, Any]:
+    """kernels.DecodeModel's arguments for `model`, whose layers multiply by `projections` (ops.h says what
+    each argument holds)."""
+    parts = [
+        product_parts(p, w) for layer, weights in zip(projections, model.weights.layers, strict=True)
+        for p, w in zip(layer, projection_weights(weights), strict=True)
+    ]  # fmt: skip
+    tiles = [p.tiles if isinstance(p, KernelLinear) else None for layer in projections for p in layer]
+    none = torch.empty(0)  # decode_layers' "none": no elements
+    return {
+        "weights": [w.blocks if isinstance(w, QuantizedTensor) else w for ps in parts for w in ps],
+        "parts": [len(ps) for ps in parts],
+        "norms": [norm for pair in model.norms for norm in pair],
+        "tiles": tiles if all(t is not None for t in tiles) else [],
+        "block_types": [w.kernel_type for ps in parts for w in ps if isinstance(w, QuantizedTensor)],
+        "extras": [
+            extras.get(name, none) for extras in model.layer_extras for name in kernels.DECODE_LAYER_EXTRAS
+        ] if any(model.layer_extras) else [],
+        "final_norm": model.final_norm,
+        "eps": model.config.rms_norm_eps,
+        "rope": [table for pair in model.layer_rope for table in pair],
+        "scale": model.scale,
+        "hq": model.config.num_heads,
+        "hkv": model.config.num_kv_heads,
+        "windows": [window or 0 for window in model.layer_windows],  # decode_layers' 0: no window
+        "gelu_tanh": model.config.activation == "gelu_tanh",
+    }  # fmt: skip
+
+
 class CompiledDecodeStep:
     def __init__(
         self, model: LlamaModel, kernels: ModuleType, projections: list[list[LinearFn]], all_quantized: bool
     ) -> None:
         self.kernels = kernels
-        self.model = model
-        parts = [
-            product_parts(p, w) for layer, weights in zip(projections, model.weights.layers, strict=True)
-            for p, w in zip(layer, projection_weights(weights), strict=True)
-        ]  # fmt: skip
-        self.parts_per_projection = [len(ps) for ps in parts]
-        self.weights = [w.blocks if isinstance(w, QuantizedTensor) else w for ps in parts for w in ps]
-        self.norms = [norm for pair in model.norms for norm in pair]
-        self.block_types = [w.kernel_type for ps in parts for w in ps if isinstance(w, QuantizedTensor)]
-        tiles = [[p.tiles if isinstance(p, KernelLinear) else None for p in layer] for layer in projections]
-        self.tiles = tiles if all(t is not None for layer in tiles for t in layer) else None
-        none, has_extras = torch.empty(0), any(model.layer_extras)  # decode_layers' "none": no elements
-        self.extras = [
-            [extras.get(name, none) for name in kernels.DECODE_LAYER_EXTRAS] if has_extras else []
-            for extras in model.layer_extras
-        ]
-        self.rope = [table for pair in model.layer_rope for table in pair]
-        self.windows = [window or 0 for window in model.layer_windows]  # decode_layers' 0: no window
-        self.gelu_tanh = model.config.activation == "gelu_tanh"
-        self.max_rows = AMX_MAX_ROWS if self.tiles is not None or all_quantized else kernels.GEMV_MAX_ROWS
+        self.decode_model = kernels.DecodeModel(**decode_model_arguments(model, kernels, projections))
+        self.max_rows = AMX_MAX_ROWS if self.decode_model.tiles or all_quantized else kernels.GEMV_MAX_ROWS
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> CompiledDecodeStep | None:
@@ -107,15 +118,7 @@ class CompiledDecodeStep:
     ) -> torch.Tensor:
         """LlamaModel.forward of the first `num_layers` layers over the embedded rows `h` (updated in place),
         every row a decode row: the final-normed hidden states."""
-        model, cfg = self.model, self.model.config
-        projections = 4 * num_layers
-        parts = self.parts_per_projection[:projections]
-        tiles = [] if self.tiles is None else self.tiles[:num_layers]
         return self.kernels.decode_layers(
-            h, self.weights[: sum(parts)], parts, self.norms[: 2 * num_layers],
-            [tensor for group in tiles for tensor in group], self.block_types[: sum(parts)],
-            [tensor for group in self.extras[:num_layers] for tensor in group], model.final_norm,
-            cfg.rms_norm_eps, positions, self.rope[: 2 * num_layers], kv_cache, slot_mapping, meta.block_tables,
-            meta.seq_lens, meta.cu_seqlens_q, torch.arange(meta.num_seqs), model.scale, cfg.num_heads,
-            cfg.num_kv_heads, self.windows[:num_layers], self.gelu_tanh, in_decode_step(),
+            h, self.decode_model, num_layers, positions, kv_cache, slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.cu_seqlens_q, torch.arange(meta.num_seqs), in_decode_step(),
         )  # fmt: skip

@@ -89,6 +89,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_product", without_gil_when_long<&quant_product>,
         "x @ W.T as the model runs it: quant_gemv where it takes the rows", py::arg("x"), py::arg("blocks"),
         py::arg("type"), py::arg("decode_step"), py::arg("gated") = false);
+  py::class_<DecodeModel, std::shared_ptr<DecodeModel>>(m, "DecodeModel",
+                                                        "a model's tensors as decode_layers takes them (ops.h)")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<int64_t>, std::vector<at::Tensor>, at::Tensor, double, std::vector<at::Tensor>, double,
+                    int64_t, int64_t, std::vector<int64_t>, bool>(),
+           py::arg("weights"), py::arg("parts"), py::arg("norms"), py::arg("tiles"), py::arg("block_types"),
+           py::arg("extras"), py::arg("final_norm"), py::arg("eps"), py::arg("rope"), py::arg("scale"), py::arg("hq"),
+           py::arg("hkv"), py::arg("windows"), py::arg("gelu_tanh"))
+      .def_readonly("parts", &DecodeModel::parts)
+      .def_readonly("tiles", &DecodeModel::tiles)
+      .def_readonly("block_types", &DecodeModel::block_types);
   m.def("decode_layers", without_gil_when_long<&decode_layers>,
-        "every decoder layer of a decode step (bf16 or GGUF-block weights), final norm applied");
+        "the first num_layers decoder layers of a decode step (bf16 or GGUF-block weights), final norm applied",
+        py::arg("h"), py::arg("model"), py::arg("num_layers"), py::arg("positions"), py::arg("kv_cache"),
+        py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("seq_ids"),
+        py::arg("decode_step"));
 }

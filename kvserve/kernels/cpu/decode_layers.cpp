@@ -34,36 +34,64 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
 
 }  // namespace
 
-at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> weights, std::vector<int64_t> parts,
-                         std::vector<at::Tensor> norms, std::vector<at::Tensor> tiles, std::vector<int64_t> block_types,
-                         std::vector<at::Tensor> extras, at::Tensor final_norm, double eps, at::Tensor positions,
-                         std::vector<at::Tensor> rope, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
-                         at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv, std::vector<int64_t> windows, bool gelu_tanh, bool decode_step) {
-  RECORD_FUNCTION("kvserve::decode_layers", {});  // named in torch profiler traces
+DecodeModel::DecodeModel(std::vector<at::Tensor> weights_, std::vector<int64_t> parts_, std::vector<at::Tensor> norms_,
+                         std::vector<at::Tensor> tiles_, std::vector<int64_t> block_types_,
+                         std::vector<at::Tensor> extras_, at::Tensor final_norm_, double eps_,
+                         std::vector<at::Tensor> rope_, double scale_, int64_t hq_, int64_t hkv_,
+                         std::vector<int64_t> windows_, bool gelu_tanh_)
+    : weights(std::move(weights_)),
+      norms(std::move(norms_)),
+      tiles(std::move(tiles_)),
+      extras(std::move(extras_)),
+      rope(std::move(rope_)),
+      parts(std::move(parts_)),
+      block_types(std::move(block_types_)),
+      windows(std::move(windows_)),
+      first_part(parts.size()),
+      final_norm(std::move(final_norm_)),
+      eps(eps_),
+      scale(scale_),
+      num_layers(static_cast<int64_t>(parts.size()) / kProjectionsPerLayer),
+      hq(hq_),
+      hkv(hkv_),
+      gelu_tanh(gelu_tanh_) {
   TORCH_CHECK(!parts.empty() && parts.size() % kProjectionsPerLayer == 0, "parts must hold ", kProjectionsPerLayer,
               " counts per layer");
-  const int64_t num_layers = static_cast<int64_t>(parts.size()) / kProjectionsPerLayer;
-  std::vector<int64_t> first_part(parts.size());  // each projection's first index into weights
   int64_t num_parts = 0;
   for (size_t p = 0; p < parts.size(); ++p) {
     TORCH_CHECK(parts[p] >= 1, "every projection has a part");
     first_part[p] = num_parts;
     num_parts += parts[p];
   }
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) >= num_parts, "weights must hold every projection's parts");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) >= 2 * num_layers, "norms must hold two per layer");
-  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be [layers, 2, blocks, block, Hkv, D]");
-  TORCH_CHECK(tiles.empty() || (static_cast<int64_t>(tiles.size()) >= num_layers * kProjectionsPerLayer &&
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_parts, "weights must hold every projection's parts");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * num_layers, "norms must hold two per layer");
+  TORCH_CHECK(tiles.empty() || (static_cast<int64_t>(tiles.size()) == num_layers * kProjectionsPerLayer &&
                                 num_parts == num_layers * kProjectionsPerLayer),
               "tiles must be empty or hold one per projection, each of one part");
-  TORCH_CHECK(block_types.empty() || static_cast<int64_t>(block_types.size()) >= num_parts,
+  TORCH_CHECK(block_types.empty() || static_cast<int64_t>(block_types.size()) == num_parts,
               "block_types must be empty or hold one per part");
-  TORCH_CHECK(extras.empty() || static_cast<int64_t>(extras.size()) >= num_layers * kExtrasPerLayer,
+  TORCH_CHECK(extras.empty() || static_cast<int64_t>(extras.size()) == num_layers * kExtrasPerLayer,
               "extras must be empty or hold ", kExtrasPerLayer, " per layer");
-  TORCH_CHECK(static_cast<int64_t>(rope.size()) >= 2 * num_layers, "rope must hold cos and sin tables per layer");
-  TORCH_CHECK(static_cast<int64_t>(windows.size()) >= num_layers, "windows must hold one per layer (0: none)");
-  const int64_t t = h.size(0), dim = rope[0].size(1), q_size = hq * dim;
+  TORCH_CHECK(static_cast<int64_t>(rope.size()) == 2 * num_layers, "rope must hold cos and sin tables per layer");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == num_layers, "windows must hold one per layer (0: none)");
+  for (int64_t layer = 0; layer < num_layers && !extras.empty(); ++layer) {
+    const at::Tensor* own = &extras[layer * kExtrasPerLayer];
+    TORCH_CHECK(own[kQNorm].numel() == 0 || own[kKNorm].numel() > 0, "layer ", layer,
+                " has a q head norm but no k head norm");
+  }
+}
+
+at::Tensor decode_layers(at::Tensor h, const DecodeModel& model, int64_t num_layers, at::Tensor positions,
+                         at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                         at::Tensor cu_seqlens_q, at::Tensor seq_ids, bool decode_step) {
+  RECORD_FUNCTION("kvserve::decode_layers", {});  // named in torch profiler traces
+  TORCH_CHECK(num_layers >= 1 && num_layers <= model.num_layers, "num_layers must be 1 to ", model.num_layers);
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be [layers, 2, blocks, block, Hkv, D]");
+  const auto &weights = model.weights, &norms = model.norms, &tiles = model.tiles, &extras = model.extras;
+  const auto &parts = model.parts, &block_types = model.block_types, &first_part = model.first_part;
+  const int64_t t = h.size(0), hq = model.hq, hkv = model.hkv, dim = model.rope[0].size(1), q_size = hq * dim;
+  const double eps = model.eps;
+  const bool gelu_tanh = model.gelu_tanh;
   const auto dtype = kv_cache.scalar_type();
   // Extra `which` (ops.h's order) of a layer where the model has it.
   auto extra = [&](int64_t layer, int64_t which) -> c10::optional<at::Tensor> {
@@ -96,19 +124,15 @@ at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> weights, std::vec
   for (int64_t i = 0; i < num_layers; ++i) {
     at::Tensor qkv = product(x, i, 0);
     if (const auto bias = extra(i, kQkvBias)) qkv.add_(*bias);
-    if (const auto q_norm = extra(i, kQNorm)) {
-      const auto k_norm = extra(i, kKNorm);
-      TORCH_CHECK(k_norm.has_value(), "layer ", i, " has a q head norm but no k head norm");
-      head_rms_norm(qkv, hq, hkv, *q_norm, *k_norm, eps);
-    }
+    if (const auto q_norm = extra(i, kQNorm)) head_rms_norm(qkv, hq, hkv, *q_norm, *extra(i, kKNorm), eps);
     const at::Tensor layer_cache = kv_cache.select(0, i);
     const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
-    rope_write_kv(qkv, positions, rope[2 * i], rope[2 * i + 1], k_cache, v_cache, slots, hq, hkv);
+    rope_write_kv(qkv, positions, model.rope[2 * i], model.rope[2 * i + 1], k_cache, v_cache, slots, hq, hkv);
     at::Tensor o = at::empty({t, hq, dim}, qkv.options());
     decode_attention(o, qkv.narrow(1, 0, q_size).view({t, hq, dim}), k_cache, v_cache, block_tables, seq_lens,
-                     cu_seqlens_q, seq_ids, scale, windows[i]);
+                     cu_seqlens_q, seq_ids, model.scale, model.windows[i]);
     x = add_rms_norm(h, product(o.view({t, q_size}), i, 1), norms[2 * i + 1], eps, dtype, extra(i, kPostAttnNorm));
-    const at::Tensor& next_norm = i + 1 < num_layers ? norms[2 * (i + 1)] : final_norm;
+    const at::Tensor& next_norm = i + 1 < num_layers ? norms[2 * (i + 1)] : model.final_norm;
     x = add_rms_norm(h, product(product(x, i, 2), i, 3), next_norm, eps, dtype, extra(i, kPostMlpNorm));
   }
   return x;

@@ -73,7 +73,11 @@ std::tuple<bool, bool, bool> tile_products();
 // engine's (benchmarks/RESULTS.md, "Row groups"), and the KV they write serves every later token; a
 // decode step's rows each make one token, as batch 1's always have ("int8 decode batches").
 at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool decode_step, bool gated = false);
-// decode_layers' `weights`: every projection's parts, layer by layer in the order a step runs them (qkv_proj,
+// A model's tensors and shapes as decode_layers takes them, checked and indexed once when the model loads: a
+// step then passes only its own rows, not the ~240 tensors converted from Python lists at every call (slow
+// there because a step's weights have just streamed the interpreter's objects out of the caches:
+// benchmarks/RESULTS.md, "The decode step's model converted once").
+// `weights`: every projection's parts, layer by layer in the order a step runs them (qkv_proj,
 // o_proj, gate_up_proj, down_proj); `parts`: per layer and projection its number of parts (more than one
 // only for a fused quantized projection whose parts differ in block type: a product per part, columns
 // concatenated); `norms`: per layer attn_norm, mlp_norm (float32).
@@ -85,20 +89,33 @@ at::Tensor quant_product(at::Tensor x, at::Tensor blocks, int64_t type, bool dec
 // after the MLP (float32), in DecodeLayerExtra's order, each an empty tensor where the model has none (a
 // layer with a q norm has a k norm too).
 // `rope`: per layer its cos and sin tables (float32 [max_len, D]). `gelu_tanh`: the MLP gates with gelu
-// (tanh approximation), not silu.
-// The activations are in the KV cache's dtype. `windows`: per layer its sliding window in keys, 0 for none.
-// `decode_step`: quant_product's, whether every row follows generated tokens (a short prefill runs here too).
+// (tanh approximation), not silu. `windows`: per layer its sliding window in keys, 0 for none.
+// Invariant: the tensors are the model's own (shared storage, no copies).
 constexpr int64_t kProjectionsPerLayer = 4;
 // The extras of a layer, in decode_layers' order; bindings.cpp gives Python their names in the same order
 // (DECODE_LAYER_EXTRAS: LlamaModel.layer_extras' keys), so the order is stated here alone.
 enum DecodeLayerExtra : int64_t { kQkvBias, kQNorm, kKNorm, kPostAttnNorm, kPostMlpNorm, kExtrasPerLayer };
 constexpr std::array<const char*, kExtrasPerLayer> kDecodeLayerExtraNames = {"qkv_bias", "q_norm", "k_norm",
                                                                              "post_attn_norm", "post_mlp_norm"};
-at::Tensor decode_layers(at::Tensor h, std::vector<at::Tensor> weights, std::vector<int64_t> parts,
-                         std::vector<at::Tensor> norms, std::vector<at::Tensor> tiles, std::vector<int64_t> block_types,
-                         std::vector<at::Tensor> extras, at::Tensor final_norm, double eps, at::Tensor positions,
-                         std::vector<at::Tensor> rope, at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables,
-                         at::Tensor seq_lens, at::Tensor cu_seqlens_q, at::Tensor seq_ids, double scale, int64_t hq,
-                         int64_t hkv, std::vector<int64_t> windows, bool gelu_tanh, bool decode_step);
+struct DecodeModel {
+  DecodeModel(std::vector<at::Tensor> weights, std::vector<int64_t> parts, std::vector<at::Tensor> norms,
+              std::vector<at::Tensor> tiles, std::vector<int64_t> block_types, std::vector<at::Tensor> extras,
+              at::Tensor final_norm, double eps, std::vector<at::Tensor> rope, double scale, int64_t hq, int64_t hkv,
+              std::vector<int64_t> windows, bool gelu_tanh);
+
+  std::vector<at::Tensor> weights, norms, tiles, extras, rope;
+  std::vector<int64_t> parts, block_types, windows;
+  std::vector<int64_t> first_part;  // per projection, its first index into weights
+  at::Tensor final_norm;
+  double eps, scale;
+  int64_t num_layers, hq, hkv;
+  bool gelu_tanh;
+};
+// The first `num_layers` layers of `model` over the rows h (float32 residuals, updated in place), every row a
+// decode row (or a short prefill: `decode_step` is quant_product's, whether every row follows generated
+// tokens), then the final norm; the activations are in the KV cache's dtype.
+at::Tensor decode_layers(at::Tensor h, const DecodeModel& model, int64_t num_layers, at::Tensor positions,
+                         at::Tensor kv_cache, at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
+                         at::Tensor cu_seqlens_q, at::Tensor seq_ids, bool decode_step);
 
 }  // namespace kvserve
