@@ -8,6 +8,7 @@ signal exits at once, as uvicorn does.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -88,6 +89,12 @@ def serve(
     report = engine_report(engine)
     async_engine = AsyncEngine(engine)
     app = build_app(async_engine, api_key, served_model_name, web_ui=web_ui, limits=limits)
+    # What is loaded by now (torch, the model, its tokenizer, the app) lives as long as the server. Frozen out of
+    # the cyclic collector's generations, a full collection walks only what requests allocated since, not this
+    # heap, so it no longer stalls every running request's next token (vLLM freezes its engine's heap too;
+    # benchmarks/RESULTS.md, "The decode step's model converted once").
+    gc.collect()
+    gc.freeze()
     uv_config = uvicorn.Config(
         app,
         host=host,
