@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvserve import LLM, SamplingParams
 from kvserve.engine.startup_report import compiled_decode_summary
 from kvserve.kernels.backends import get_attention_backend
-from kvserve.model.compiled_decode import decode_model_arguments, product_of
+from kvserve.model.compiled_decode import decode_model_arguments
 from kvserve.model.families import family_for_hf
 from kvserve.model.hf import read_hf_config
 from kvserve.model.linear import gemv_kernels
@@ -216,7 +216,7 @@ def test_the_compiled_step_refuses_a_q_head_norm_without_its_k_norm(checkpoints)
         pytest.skip("the compiled CPU kernels do not build here")
     llm = kvserve_llm(checkpoints["qwen3"][0], dtype="bfloat16", enable_prefix_caching=False)
     model, step = llm.engine.model, llm.engine.model.compiled_decode
-    arguments = decode_model_arguments(model, step.kernels, [[product_of(p) for p in layer] for layer in model.linears])
+    arguments = decode_model_arguments(model, step.kernels)
     step.kernels.DecodeModel(**arguments)  # as the model gives them: accepted
     k_norm = step.kernels.DECODE_LAYER_EXTRAS.index("k_norm")  # layer 0's, the extras being flat per layer
     assert arguments["extras"][k_norm].numel() > 0

@@ -53,9 +53,14 @@ def product_parts(linear: LinearFn, weight: Weight) -> list[torch.Tensor | Quant
     return [weight]
 
 
-def decode_model_arguments(model: LlamaModel, kernels: ModuleType, projections: list[list[LinearFn]]) -> dict[str, Any]:
-    """kernels.DecodeModel's arguments for `model`, whose layers multiply by `projections` (ops.h says what
-    each argument holds)."""
+def layer_products(model: LlamaModel) -> list[list[LinearFn]]:
+    """Per layer, the products decode_layers runs for its projections, in projection_weights' order."""
+    return [[product_of(p) for p in layer] for layer in model.linears]
+
+
+def decode_model_arguments(model: LlamaModel, kernels: ModuleType) -> dict[str, Any]:
+    """kernels.DecodeModel's arguments for `model` (ops.h says what each holds)."""
+    projections = layer_products(model)
     parts = [
         product_parts(p, w) for layer, weights in zip(projections, model.weights.layers, strict=True)
         for p, w in zip(layer, projection_weights(weights), strict=True)
@@ -83,11 +88,9 @@ def decode_model_arguments(model: LlamaModel, kernels: ModuleType, projections: 
 
 
 class CompiledDecodeStep:
-    def __init__(
-        self, model: LlamaModel, kernels: ModuleType, projections: list[list[LinearFn]], all_quantized: bool
-    ) -> None:
+    def __init__(self, model: LlamaModel, kernels: ModuleType, all_quantized: bool) -> None:
         self.kernels = kernels
-        self.decode_model = kernels.DecodeModel(**decode_model_arguments(model, kernels, projections))
+        self.decode_model = kernels.DecodeModel(**decode_model_arguments(model, kernels))
         self.max_rows = AMX_MAX_ROWS if self.decode_model.tiles or all_quantized else kernels.GEMV_MAX_ROWS
 
     @classmethod
@@ -95,9 +98,8 @@ class CompiledDecodeStep:
         """The step for `model` where its kernels built and every projection takes them, else None."""
         if model.device.type != "cpu":
             return None
-        projections = [[product_of(p) for p in layer] for layer in model.linears]
         all_quantized = all(
-            isinstance(p, QuantizedLinear | StackedQuantizedLinear) for layer in projections for p in layer
+            isinstance(p, QuantizedLinear | StackedQuantizedLinear) for layer in layer_products(model) for p in layer
         )
         if all_quantized:
             kernels = quantized_kernels()
@@ -105,7 +107,7 @@ class CompiledDecodeStep:
             kernels = gemv_kernels()
         else:
             return None
-        return None if kernels is None else cls(model, kernels, projections, all_quantized)
+        return None if kernels is None else cls(model, kernels, all_quantized)
 
     def run(
         self,
