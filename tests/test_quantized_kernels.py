@@ -383,20 +383,21 @@ def test_quant_gemv_on_row_groups_covers_every_tile_and_its_tail(kernels, qtype:
 @pytest.mark.parametrize("in_groups", [False, True], ids=["GGML's layout", "row groups"])
 @pytest.mark.parametrize("qtype", ROW_GROUP_TYPES, ids=lambda t: t.name)
 def test_quant_gemv_rows_of_a_batch_are_each_row_alone(kernels, qtype, in_groups) -> None:
-    """A decode batch's rows (here 1,024 blocks of x, which the kernel quantizes on all threads) give the
+    """A decode batch's rows (here 1,120 blocks of x, which the kernel quantizes on all threads) give the
     same bits as each row multiplied alone (one thread quantizes it), and lie within the int8 bound. The
-    batch takes the forms a lone row does not: chunks of rows with x broadcast inside the dots and, on
-    AVX-512, Q8_0's 32-row tiles unpacked once for all chunks; gated too (W = [gate; up])."""
+    batch takes the forms a lone row does not: chunks of rows with x broadcast inside the dots and, in row
+    groups of every type but Q4_0 and Q4_1, row blocks of 16 rows (70 rows: four, then chunks of four and
+    two); gated too (W = [gate; up])."""
     gen = np.random.default_rng(90)
-    n, k = 64, 512
+    n, k, rows = 64, 512, 70
     blocks = random_blocks(qtype, n, k, gen)
     weights = QuantizedTensor(torch.from_numpy(blocks), qtype, (n, k))
     if in_groups:
         weights = weights.interleaved()
-    x = torch.from_numpy(gen.standard_normal((64, k)).astype(np.float32))
+    x = torch.from_numpy(gen.standard_normal((rows, k)).astype(np.float32))
     for gated in (False, True):
         whole = kernels.quant_gemv(x, weights.blocks, weights.kernel_type, gated)
-        alone = [kernels.quant_gemv(x[i : i + 1], weights.blocks, weights.kernel_type, gated) for i in range(64)]
+        alone = [kernels.quant_gemv(x[i : i + 1], weights.blocks, weights.kernel_type, gated) for i in range(rows)]
         torch.testing.assert_close(whole, torch.cat(alone), rtol=0, atol=0, msg=f"gated {gated}")
     w = reference(blocks, qtype, n, k)
     ref = x.double() @ w.double().T

@@ -336,10 +336,9 @@ inline void unpack_block(const uint8_t* p, int64_t stride, UnpackedBlock<L, V>& 
 }
 
 // The M rows of x's block b times the unpacked block u: acc[m][v] gathers the integer products with both
-// scales applied, acc_offset[m][v] the offsets' terms (a chain of their own). kBroadcastOnce: each of x's
-// broadcasts, in a register, serves the V vectors' dots (the tiles of several vectors that unpack as they
-// go); else the dots read x as dot_x does.
-template <typename Group, int M, typename L, int V, bool kBroadcastOnce>
+// scales applied, acc_offset[m][v] the offsets' terms (a chain of their own). With several vectors each of
+// x's broadcasts, in a register, serves all their dots; with one the dots read x as dot_x does.
+template <typename Group, int M, typename L, int V>
 inline void multiply_block(const UnpackedBlock<L, V>& u, const ActivationRows& x, int64_t b,
                            typename L::Float (&acc)[M][V], typename L::Float (&acc_offset)[M][V]) {
   using Int = typename L::Int;
@@ -361,7 +360,7 @@ inline void multiply_block(const UnpackedBlock<L, V>& u, const ActivationRows& x
         Int& sum = sums[v][t % 2];
         const Int q = u.q[v][t];
 #ifdef KVSERVE_HAS_VNNI
-        sum = kBroadcastOnce ? L::dot(sum, q, xs) : dot_x<L, (M > 1)>(sum, q, xq + 4 * t);
+        sum = V > 1 ? L::dot(sum, q, xs) : dot_x<L, (M > 1)>(sum, q, xq + 4 * t);
 #else
         if constexpr (kEight)
           sum = _mm256_add_epi32(sum, dot_u8s8(_mm256_abs_epi8(q), _mm256_sign_epi8(xs, q)));
@@ -389,26 +388,18 @@ inline void multiply_block(const UnpackedBlock<L, V>& u, const ActivationRows& x
 }
 
 // The M rows of x times V vectors of row groups from group block row `group` on (L::kGroups * V groups,
-// `stride` bytes apart; all their blocks), each block unpacked as it comes, or read from `unpacked` where
-// that is not null (a tile of several vectors unpacked before: see row_group_tile). out[m * V + v]: vector
-// v's results for row m, the products' terms and the offsets' summed.
+// `stride` bytes apart; all their blocks), each block unpacked once. out[m * V + v]: vector v's results for
+// row m, the products' terms and the offsets' summed.
 template <typename Group, int M, typename L, int V>
-inline void row_group_rows(const uint8_t* group, int64_t stride, const UnpackedBlock<L, V>* unpacked,
-                           const ActivationRows& x, typename L::Float* out) {
+inline void row_group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
   using Float = typename L::Float;
   Float acc[M][V], acc_offset[M][V];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
   for (int64_t b = 0; b < x.k / kXBlock; ++b) {
-    if constexpr (V > 1) {  // only tiles of several vectors are ever unpacked before
-      if (unpacked != nullptr) {
-        multiply_block<Group, M, L, V, false>(unpacked[b], x, b, acc, acc_offset);
-        continue;
-      }
-    }
     UnpackedBlock<L, V> u;
     unpack_block<Group, L, V>(group + b * Group::kBytes, stride, u);
-    multiply_block<Group, M, L, V, (V > 1)>(u, x, b, acc, acc_offset);
+    multiply_block<Group, M, L, V>(u, x, b, acc, acc_offset);
   }
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < V; ++v) out[m * V + v] = acc[m][v] + acc_offset[m][v];
@@ -503,62 +494,53 @@ inline void q6_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   for (int m = 0; m < M; ++m) out[m] = acc[m];
 }
 
-// The M rows of x times V vectors of row groups, by the type's form; from `unpacked` where not null.
+// The M rows of x times V vectors of row groups, by the type's form.
 template <typename Group, int M, typename L, int V>
-inline void group_rows(const uint8_t* group, int64_t stride, const UnpackedBlock<L, V>* unpacked,
-                       const ActivationRows& x, typename L::Float* out) {
+inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
   if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q4_K>>)
     q4_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
   else if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q6_K>>)
     q6_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
   else
-    row_group_rows<Group, M, L, V>(group, stride, unpacked, x, out);
+    row_group_rows<Group, M, L, V>(group, stride, x, out);
 }
 
-// Rows of x from which a tile of several vectors (Q8_0's) unpacks its blocks once (row_group_tile).
-constexpr int64_t kUnpackedTileRows = 32;
+// Rows of x per row block: the M of group_rows for the types whose blocks cost the most to unpack (all but
+// Q4_0's and Q4_1's nibbles: Q5_0's fifth bits, Q8_0's two vectors, the K-quants' scales), so that each
+// block is unpacked once per 16 rows rather than once per chunk of kRowChunk. Too many for the registers, a
+// row block's sums live in L1 (2 KiB a vector); with fewer rows, and for Q4_0 and Q4_1 at any count, the
+// chunks in registers ran faster (benchmarks/RESULTS.md, "Row blocks"). A row takes the same operations
+// either way, so its results do not depend on the rows beside it.
+constexpr int kRowBlock = 16;
+template <typename Group>
+constexpr bool kRowBlocks =
+    !std::is_same_v<Group, quant::RowGroup<quant::Q4_0>> && !std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
 
-// Every row of x times the L::kGroups * V groups from group g on, kRowChunk rows at a time, stored into y
-// (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's results beside group
-// gate_groups + g's while both are in registers, as silu_mul (layer_ops.cpp) computes them from float32.
-// A tile of several vectors (V > 1: Q8_0's two) meeting kUnpackedTileRows rows or more unpacks its blocks
-// once, into a buffer of this thread's that every chunk of rows reads, rather than once per chunk: its
-// joins of two groups' halves (16 per block) took the vector units' time that the dots need. Fewer rows,
-// and the one-vector tiles (whose nibbles fill the registers beside the dots), ran slower that way
-// (benchmarks/RESULTS.md, "x broadcast inside the dots").
+// Every row of x times the L::kGroups * V groups from group g on, in row blocks (kRowBlocks) and chunks of
+// kRowChunk rows, stored into y (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's
+// results beside group gate_groups + g's, as silu_mul (layer_ops.cpp) computes them from float32.
 template <typename Group, typename L, int V, typename Out>
 inline void row_group_tile(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, Out* y,
                            int64_t columns, int64_t g, int64_t gate_groups) {
-  using Block = UnpackedBlock<L, V>;
   const uint8_t* gate = w + g * group_bytes;
   const uint8_t* up = w + (gate_groups + g) * group_bytes;
-  const Block* gate_unpacked = nullptr;
-  const Block* up_unpacked = nullptr;
-  if constexpr (V > 1) {
-    if (rows >= kUnpackedTileRows) {
-      thread_local std::vector<Block> buffer;  // the tile's blocks: the gate's (or W's), then up's
-      const int64_t blocks = x.k / kXBlock, halves = gate_groups > 0 ? 2 : 1;
-      buffer.resize(halves * blocks);
-      for (int64_t h = 0; h < halves; ++h)
-        for (int64_t b = 0; b < blocks; ++b)
-          unpack_block<Group, L, V>((h ? up : gate) + b * Group::kBytes, group_bytes, buffer[h * blocks + b]);
-      gate_unpacked = buffer.data();
-      up_unpacked = gate_groups > 0 ? buffer.data() + blocks : nullptr;
-    }
-  }
-  for_row_chunks(rows, [&](int64_t m0, auto chunk) {
-    constexpr int M = decltype(chunk)::value;
+  const auto rows_from = [&]<int M>(int64_t m0) {
     typename L::Float out[M * V];
-    group_rows<Group, M, L, V>(gate, group_bytes, gate_unpacked, x.from_row(m0), out);
+    group_rows<Group, M, L, V>(gate, group_bytes, x.from_row(m0), out);
     if (gate_groups > 0) {
       typename L::Float up_out[M * V];
-      group_rows<Group, M, L, V>(up, group_bytes, up_unpacked, x.from_row(m0), up_out);
+      group_rows<Group, M, L, V>(up, group_bytes, x.from_row(m0), up_out);
       for (int i = 0; i < M * V; ++i) out[i] = silu_times(out[i], up_out[i]);
     }
     for (int m = 0; m < M; ++m)
       for (int v = 0; v < V; ++v)
         lanes_store(y + (m0 + m) * columns + (g + v * L::kGroups) * Group::kRows, out[m * V + v]);
-  });
+  };
+  int64_t m0 = 0;
+  if constexpr (kRowBlocks<Group>)
+    for (; m0 + kRowBlock <= rows; m0 += kRowBlock) rows_from.template operator()<kRowBlock>(m0);
+  for_row_chunks(rows - m0,
+                 [&](int64_t m, auto chunk) { rows_from.template operator()<decltype(chunk)::value>(m0 + m); });
 }
 
 // Vectors per tile on the widest lanes: two for Q8_0, whose unpacking is a xor, so that each broadcast
