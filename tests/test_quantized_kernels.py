@@ -386,8 +386,8 @@ def test_quant_gemv_rows_of_a_batch_are_each_row_alone(kernels, qtype, in_groups
     """A decode batch's rows (here 1,120 blocks of x, which the kernel quantizes on all threads) give the
     same bits as each row multiplied alone (one thread quantizes it), and lie within the int8 bound. The
     batch takes the forms a lone row does not: chunks of rows with x broadcast inside the dots and, in row
-    groups of every type but Q4_0 and Q4_1, row blocks of 16 rows (70 rows: four, then chunks of four and
-    two); gated too (W = [gate; up])."""
+    groups of every type but Q4_0 and Q4_1, sweeps of 16 rows over each unpacked block (70 rows: four sweeps,
+    then chunks of four and two); gated too (W = [gate; up])."""
     gen = np.random.default_rng(90)
     n, k, rows = 64, 512, 70
     blocks = random_blocks(qtype, n, k, gen)

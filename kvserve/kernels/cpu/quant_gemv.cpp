@@ -505,20 +505,20 @@ inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRow
     row_group_rows<Group, M, L, V>(group, stride, x, out);
 }
 
-// Rows of x per row block: the M of group_rows for the types whose blocks cost the most to unpack (all but
-// Q4_0's and Q4_1's nibbles: Q5_0's fifth bits, Q8_0's two vectors, the K-quants' scales), so that each
-// block is unpacked once per 16 rows rather than once per chunk of kRowChunk. Too many for the registers, a
-// row block's sums live in L1 (2 KiB a vector); with fewer rows, and for Q4_0 and Q4_1 at any count, the
-// chunks in registers ran faster (benchmarks/RESULTS.md, "Row blocks"). A row takes the same operations
+// Rows of x per sweep: the M of group_rows for the types whose blocks cost the most to unpack (all but Q4_0's
+// and Q4_1's nibbles: Q5_0's fifth bits, Q8_0's two vectors, the K-quants' scales), so that each block is
+// unpacked once per sweep of 16 rows rather than once per chunk of kRowChunk. Too many for the registers, a
+// sweep's sums live in L1 (2 KiB a vector); with fewer rows, and for Q4_0 and Q4_1 at any count, the chunks
+// in registers ran faster (benchmarks/RESULTS.md, "Sixteen-row sweeps"). A row takes the same operations
 // either way, so its results do not depend on the rows beside it.
-constexpr int kRowBlock = 16;
+constexpr int kSweepRows = 16;
 template <typename Group>
-constexpr bool kRowBlocks =
+constexpr bool kSweeps =
     !std::is_same_v<Group, quant::RowGroup<quant::Q4_0>> && !std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
 
-// Every row of x times the L::kGroups * V groups from group g on, in row blocks (kRowBlocks) and chunks of
-// kRowChunk rows, stored into y (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's
-// results beside group gate_groups + g's, as silu_mul (layer_ops.cpp) computes them from float32.
+// Every row of x times the L::kGroups * V groups from group g on, in sweeps (kSweeps) and chunks of kRowChunk
+// rows, stored into y (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's results beside
+// group gate_groups + g's, as silu_mul (layer_ops.cpp) computes them from float32.
 template <typename Group, typename L, int V, typename Out>
 inline void row_group_tile(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, Out* y,
                            int64_t columns, int64_t g, int64_t gate_groups) {
@@ -537,8 +537,8 @@ inline void row_group_tile(const uint8_t* w, int64_t group_bytes, const Activati
         lanes_store(y + (m0 + m) * columns + (g + v * L::kGroups) * Group::kRows, out[m * V + v]);
   };
   int64_t m0 = 0;
-  if constexpr (kRowBlocks<Group>)
-    for (; m0 + kRowBlock <= rows; m0 += kRowBlock) rows_from.template operator()<kRowBlock>(m0);
+  if constexpr (kSweeps<Group>)
+    for (; m0 + kSweepRows <= rows; m0 += kSweepRows) rows_from.template operator()<kSweepRows>(m0);
   for_row_chunks(rows - m0,
                  [&](int64_t m, auto chunk) { rows_from.template operator()<decltype(chunk)::value>(m0 + m); });
 }
