@@ -21,10 +21,14 @@
 //   (benchmarks/RESULTS.md, "FMA tiles");
 // - otherwise the float32 micro-kernel below, on x widened to float32.
 //
-// Micro-kernel (AVX2 + FMA): kXRows rows of x times kWRows rows of the tile in dot-product form, eight
-// k at a time: the kXRows x vectors stay in registers, each tile vector is loaded once for kXRows
-// multiply-adds, and the kXRows x kWRows float32 accumulators are summed across lanes at the end:
-// 12 accumulators + 3 x + 1 tile vector fill AVX2's 16 registers.
+// Micro-kernel (outer-product form): x is packed once per call, K-major in blocks of kLanes rows
+// (pack_x_columns), so per k one load brings kLanes rows' values; kXVectors such vectors times kWRows rows of
+// the tile, each tile value broadcast once for kXVectors multiply-adds. The kXVectors x kWRows accumulators
+// hold one result per lane, each summed in k's order: 12 accumulators + 3 x vectors + 1 broadcast fill
+// AVX2's 16 registers, and a k step's 7 loads issue well within the 6 cycles of its 12 FMAs (two FMA
+// pipes). The earlier dot-product form (a horizontal sum per result, each tile vector loaded for 3 rows of
+// x) ran well below oneDNN's float32 GEMM (benchmarks/RESULTS.md, "Quantized panels in outer-product form
+// on AVX2").
 #include "amx_product.h"
 #include "ops.h"
 #include "quant_group_dequantize.h"
@@ -39,45 +43,82 @@ namespace {
 // 32 rows x K floats: 72 KiB at K = 576, 192 KiB at K = 1,536 (L2 is 512 KiB-2 MiB on current x86).
 constexpr int64_t kPanelRows = bf16_panel::kPanelRows;
 static_assert(kPanelRows % quant::RowGroup<quant::Q4_1>::kRows == 0, "a panel holds whole row groups");
-constexpr int kXRows = 3, kWRows = 4;
-
 #if defined(__AVX2__) && defined(__FMA__)
-template <int XR, int WR, typename Out>
-inline void micro_kernel(const float* x, const float* w, int64_t k, Out* y, int64_t y_stride) {
-  __m256 acc[XR][WR];
-  for (int i = 0; i < XR; ++i)
-    for (int j = 0; j < WR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t e = 0; e < k; e += 8) {
-    __m256 xv[XR];
-    for (int i = 0; i < XR; ++i) xv[i] = _mm256_loadu_ps(x + i * k + e);
-    for (int j = 0; j < WR; ++j) {
-      const __m256 wv = _mm256_loadu_ps(w + j * k + e);
-      for (int i = 0; i < XR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+using PanelLanes = __m256;  // AVX-512 builds too (float32 x takes this kernel there): the form measured
+#else
+using PanelLanes = float;
+#endif
+constexpr int64_t kLanes = sizeof(PanelLanes) / sizeof(float);
+constexpr int kXVectors = 3, kWRows = 4;
+static_assert(kPanelRows % kWRows == 0, "a panel is whole chunks of kWRows rows");
+
+// x [rows, k] contiguous -> packed [ceil(rows / kLanes)][k][kLanes] float32: block b, column e holds rows
+// b * kLanes .. + kLanes - 1 of column e side by side, rows past the last zero.
+template <typename In>
+void pack_x_columns(const In* x, int64_t rows, int64_t k, float* packed) {
+  at::parallel_for(0, (rows + kLanes - 1) / kLanes, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      float* block = packed + b * k * kLanes;
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t row = b * kLanes + i;
+        for (int64_t e = 0; e < k; ++e) block[e * kLanes + i] = row < rows ? to_float(x[row * k + e]) : 0.f;
+      }
+    }
+  });
+}
+
+// y[i][j] = x row i . tile row j for i < x_rows (<= XV * kLanes) of the XV packed blocks at xp and j < w_rows
+// (<= kWRows) of the tile rows at w (k apart; all kWRows rows are read), each rounded once to y's dtype.
+template <int XV, typename Out>
+inline void packed_rows_times_tile_rows(const float* xp, int64_t x_rows, const float* w, int64_t w_rows, int64_t k,
+                                        Out* y, int64_t y_stride) {
+  PanelLanes acc[kWRows][XV];
+  for (int j = 0; j < kWRows; ++j)
+    for (int v = 0; v < XV; ++v) acc[j][v] = splat<PanelLanes>(0.f);
+  for (int64_t e = 0; e < k; ++e) {
+    PanelLanes xv[XV];
+    for (int v = 0; v < XV; ++v) {
+      xv[v] = lanes_load(xp + (v * k + e) * kLanes, PanelLanes{});
+#if defined(__AVX2__) && defined(__FMA__)
+      // Held in a register: GCC otherwise folds the load into each of the vector's kWRows multiply-adds,
+      // 16 loads a k step in place of 7, more than the load ports issue in its FMAs' 6 cycles.
+      asm("" : "+x"(xv[v]));
+#endif
+    }
+    for (int j = 0; j < kWRows; ++j) {
+      const PanelLanes wj = splat<PanelLanes>(w[j * k + e]);
+      for (int v = 0; v < XV; ++v) acc[j][v] = lanes_fma(wj, xv[v], acc[j][v]);
     }
   }
-  for (int i = 0; i < XR; ++i)
-    for (int j = 0; j < WR; ++j) y[i * y_stride + j] = from_float<Out>(reduce_add(acc[i][j]));
+  float sums[kWRows][XV * kLanes];
+  for (int j = 0; j < kWRows; ++j)
+    for (int v = 0; v < XV; ++v) lanes_store(&sums[j][v * kLanes], acc[j][v]);
+  for (int64_t i = 0; i < x_rows; ++i)
+    for (int64_t j = 0; j < w_rows; ++j) y[i * y_stride + j] = from_float<Out>(sums[j][i]);
 }
-#else
-template <int XR, int WR, typename Out>
-inline void micro_kernel(const float* x, const float* w, int64_t k, Out* y, int64_t y_stride) {
-  for (int i = 0; i < XR; ++i)
-    for (int j = 0; j < WR; ++j) {
-      float sum = 0.f;
-      for (int64_t e = 0; e < k; ++e) sum += x[i * k + e] * w[j * k + e];
-      y[i * y_stride + j] = from_float<Out>(sum);
-    }
-}
-#endif
 
-// x rows [0, m) times tile rows [0, w_rows) into y[:, 0:w_rows] (row stride y_stride), each result
-// rounded once to y's dtype.
-template <int XR, typename Out>
-void rows_times_tile(const float* x, const float* tile, int64_t w_rows, int64_t k, Out* y, int64_t y_stride) {
-  int64_t j = 0;
-  for (; j + kWRows <= w_rows; j += kWRows) micro_kernel<XR, kWRows>(x, tile + j * k, k, y + j, y_stride);
-  for (; j < w_rows; ++j) micro_kernel<XR, 1>(x, tile + j * k, k, y + j, y_stride);
+// Rows [0, rows) of packed x times tile rows [0, w_rows) into y[:, 0:w_rows] (row stride y_stride). The tile
+// holds kPanelRows rows, those past w_rows up to a whole kWRows zeroed.
+template <typename Out>
+void packed_x_times_tile(const float* xp, int64_t rows, const float* tile, int64_t w_rows, int64_t k, Out* y,
+                         int64_t y_stride) {
+  constexpr int64_t block_rows = kXVectors * kLanes;
+  for (int64_t m = 0; m < rows; m += block_rows) {
+    const int64_t x_rows = std::min(block_rows, rows - m);
+    const float* x_block = xp + m * k;
+    for (int64_t j = 0; j < w_rows; j += kWRows) {
+      const int64_t chunk = std::min<int64_t>(kWRows, w_rows - j);
+      Out* y_block = y + m * y_stride + j;
+      if (x_rows > 2 * kLanes)
+        packed_rows_times_tile_rows<3>(x_block, x_rows, tile + j * k, chunk, k, y_block, y_stride);
+      else if (x_rows > kLanes)
+        packed_rows_times_tile_rows<2>(x_block, x_rows, tile + j * k, chunk, k, y_block, y_stride);
+      else
+        packed_rows_times_tile_rows<1>(x_block, x_rows, tile + j * k, chunk, k, y_block, y_stride);
+    }
+  }
 }
+static_assert(kXVectors == 3, "packed_x_times_tile dispatches on 1-3 vectors of rows");
 
 #if defined(__AVX512F__)
 // x [rows, k] bf16, contiguous, packed as pack_tiles packs a weight, rows padded with
@@ -276,23 +317,23 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t type, bool gate
         return gate(y);
       }
     }
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
     auto y = at::empty({rows, n}, x.options());
     if (rows == 0) return gate(y);
-    const float* xs = xf.data_ptr<float>();
+    const at::Tensor xc = x.contiguous();
+    const at::Tensor packed = at::empty({(rows + kLanes - 1) / kLanes * kLanes * k}, x.options().dtype(at::kFloat));
+    float* xp = packed.data_ptr<float>();
     const int64_t panels = (n + kPanelRows - 1) / kPanelRows;
     KVSERVE_DISPATCH(x.scalar_type(), [&] {
+      pack_x_columns(raw<scalar_t>(xc), rows, k, xp);
       raw_t<scalar_t>* ys = raw<scalar_t>(y);
       parallel_claims(0, panels, [=](int64_t begin, int64_t end) {
         float* tile = thread_scratch<float>(kPanelRows * k);
         for (int64_t panel = begin; panel < end; ++panel) {
           const int64_t n0 = panel * kPanelRows, w_rows = std::min(kPanelRows, n - n0);
           quant::dequantize_rows_into<Block>(w, row_bytes, n0, w_rows, k, tile);
-          int64_t m = 0;
-          for (; m + kXRows <= rows; m += kXRows)
-            rows_times_tile<kXRows>(xs + m * k, tile, w_rows, k, ys + m * n + n0, n);
-          if (rows - m == 2) rows_times_tile<2>(xs + m * k, tile, w_rows, k, ys + m * n + n0, n);
-          if (rows - m == 1) rows_times_tile<1>(xs + m * k, tile, w_rows, k, ys + m * n + n0, n);
+          const int64_t whole = (w_rows + kWRows - 1) / kWRows * kWRows;
+          std::fill(tile + w_rows * k, tile + whole * k, 0.f);
+          packed_x_times_tile(xp, rows, tile, w_rows, k, ys + n0, n);
         }
       });
     });
