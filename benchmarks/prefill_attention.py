@@ -1,12 +1,14 @@
 """Prefill rows on the compiled vector kernel against torch SDPA, the crossover behind
-attention_cpu.py's BF16_PREFILL_MAX_KEYS (which prefill rows the AVX512-BF16 kernel takes where AMX does not).
+attention_cpu.py's VECTOR_PREFILL_MAX_KEYS (which prefill rows the vector kernels take where AMX does not):
+the AVX512-BF16 kernel where it applies (bf16 on a build with AVX512-BF16), else the widened float32 kernel
+(float32 caches, AVX2 builds); the table's header names the one that ran.
 
 Shapes are SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64; --head-dim 256 --heads 4 1 for
-Gemma 3's), bf16, block size 16, shuffled block tables. The kernel runs with AMX off, so on an AMX CPU it
-measures the kernel a CPU without AMX runs. Both sides write the same rows; time is the median of
---repeats calls after a warm-up, the two taking turns per case.
+Gemma 3's), bf16 (or --dtype float32), block size 16, shuffled block tables. The kernel runs with AMX off, so
+on an AMX CPU it measures the kernel a CPU without AMX runs. Both sides write the same rows; time is the
+median of --repeats calls after a warm-up, the two taking turns per case.
 
-    python benchmarks/prefill_attention.py [--repeats 7] [--head-dim 64 --heads 9 3] [--out PATH]
+    python benchmarks/prefill_attention.py [--repeats 7] [--head-dim 64 --heads 9 3] [--dtype float32] [--out PATH]
 """
 
 from __future__ import annotations
@@ -43,22 +45,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("HQ", "HKV"))
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prefill_attention.json")
     args = parser.parse_args()
     kernels = cpu.load()
     if kernels is None:
         raise SystemExit("the compiled CPU kernels did not load")
     hq, hkv = args.heads
+    dtype = getattr(torch, args.dtype)
     scale = args.head_dim**-0.5
     previous_amx = kernels.set_amx_attention(False)
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, {hq}/{hkv} heads of {args.head_dim}")
+    probe, probe_cache = (
+        torch.zeros(1, hq, args.head_dim, dtype=dtype),
+        torch.zeros(1, BLOCK, hkv, args.head_dim, dtype=dtype),
+    )
+    if kernels.bf16_attention_applies(probe, probe_cache):
+        kernel_name = "AVX512-BF16 kernel"
+    elif kernels.widened_attention_vectorized(probe):
+        kernel_name = "widened float32 kernel"
+    else:
+        raise SystemExit("no vector attention kernel takes prefill rows on this CPU or build (the plain loops)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {hq}/{hkv} heads of {args.head_dim}")
+    print(f"{args.dtype} on the {kernel_name}")
     print(f"{'case':<32} {'kernel ms':>10} {'sdpa ms':>9} {'sdpa/kernel':>12}")
     try:
         for name, query_lens, seq_lens in CASES:
-            q, k, v, meta = random_paged_inputs(query_lens, seq_lens, hq, hkv, args.head_dim, BLOCK, torch.bfloat16)
-            if not kernels.bf16_attention_applies(q, k):
-                raise SystemExit("the AVX512-BF16 attention kernel does not apply on this CPU or build")
+            q, k, v, meta = random_paged_inputs(query_lens, seq_lens, hq, hkv, args.head_dim, BLOCK, dtype)
             out = torch.empty_like(q)
             seqs = list(range(len(query_lens)))
             on_kernel = torch.tensor(seqs, dtype=torch.int64)
@@ -81,7 +94,14 @@ def main() -> None:
     finally:
         kernels.set_amx_attention(previous_amx)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "heads": args.heads, "dim": args.head_dim}
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "heads": args.heads,
+        "dim": args.head_dim,
+        "dtype": args.dtype,
+        "kernel": kernel_name,
+    }
     args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import cpu
-from kvserve.kernels.attention_cpu import cpu_attention
+from kvserve.kernels.attention_cpu import BF16_PREFILL_MAX_KEYS, WIDENED_PREFILL_MAX_KEYS, cpu_attention
 from kvserve.kernels.attention_ref import climbing_score_inputs, paged_reference_attention, random_paged_inputs
+from kvserve.kernels.cpu import isa as cpu_isa
 from kvserve.model import linear
 from kvserve.model.config import ModelConfig
 from kvserve.model.layer_ops import TorchLayerOps, layer_ops_for
@@ -194,10 +195,11 @@ def calls_beside_a_ticking_thread(call, times: int) -> tuple[list[tuple[float, f
 
 CASES = [
     # (query_lens, seq_lens): decode, verify (several new tokens), partial and exact blocks, a fresh
-    # 1-token sequence, and prefill chunks: bf16 on AMX, 40/40 runs on the kernel, 12/500 on SDPA.
+    # 1-token sequence, and prefill chunks: 40/40 runs on the kernel; 12/500 too, but on AMX (bf16) on SDPA;
+    # 30/1100 on SDPA everywhere.
     ([1, 1, 1], [1, 16, 17]),
     ([1, 4, 8, 1, 3], [90, 4, 100, 33, 300]),
-    ([2, 40, 1, 12], [2, 40, 257, 500]),
+    ([2, 40, 1, 12, 30], [2, 40, 257, 500, 1100]),
 ]
 
 
@@ -212,6 +214,28 @@ def test_cpu_attention_matches_the_oracle(kernels, dtype, query_lens, seq_lens) 
     ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 0.125, torch.float64)
     assert out.dtype == dtype
     assert ((out.double() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_rows_take_a_vector_kernel_up_to_its_bound(kernels, dtype) -> None:
+    """With AMX off, a sequence with prefill rows runs on a vector kernel while it has at most that kernel's
+    bound of keys and on SDPA past it: bf16 on AVX512-BF16 up to BF16_PREFILL_MAX_KEYS, elsewhere (float32 over
+    widened tiles) up to WIDENED_PREFILL_MAX_KEYS; on the generic path, whose widened kernel has no vector loop,
+    always on SDPA. Both give the oracle's rows."""
+    isa = cpu_isa.selected()
+    bound = BF16_PREFILL_MAX_KEYS if isa.bf16 and dtype == torch.bfloat16 else WIDENED_PREFILL_MAX_KEYS
+    q, k, v, meta = random_paged_inputs([20, 20], [bound, bound + 1], 9, 3, 64, 16, dtype, seed=3)
+    previous_amx = kernels.set_amx_attention(False)
+    try:
+        out = cpu_attention(q, k, v, meta, 0.125).double()
+    finally:
+        kernels.set_amx_attention(previous_amx)
+    expected_on_kernel = [] if isa.isa.name == "generic" else [0]
+    on_kernel, on_sdpa = meta.plans[("cpu", True)]
+    assert on_kernel.tolist() == expected_on_kernel
+    assert on_sdpa == [i for i in range(2) if i not in expected_on_kernel]
+    ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 0.125, torch.float64)
+    assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 # (heads, kv_heads, head_dim, block_size); the last: Gemma 3 270M's 4 query heads of 256 on one KV head.
@@ -233,7 +257,7 @@ def test_cpu_attention_other_head_shapes(kernels, dtype, heads, kv_heads, head_d
 # (query_lens, seq_lens, window), block size 16: windows smaller than the context starting at a block's
 # first key (seq 100, window 20: the decode row sees 80..99), mid-tile, one key (itself only), exactly a
 # block (16); equal to the context (37) and larger (1000); verify rows whose windows start in different
-# tiles; a 40-token prefill chunk (past DECODE_MAX_QUERY_LEN: on SDPA, the windowed layer's prefill path).
+# tiles; a 40-token prefill chunk (past DECODE_MAX_QUERY_LEN: on a vector kernel, or SDPA on the generic path).
 WINDOW_CASES = [
     ([1, 1, 1], [100, 37, 5], 20),
     ([1, 3, 1], [71, 64, 18], 16),

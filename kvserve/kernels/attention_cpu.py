@@ -1,16 +1,16 @@
-"""The "cpu" backend: the compiled tiled kernel (kernels/cpu/decode_attention.cpp) for
-sequences with few new tokens and, on the AMX and AVX512-BF16 kernels, short prefills; torch SDPA for the
-rest.
+"""The "cpu" backend: the compiled tiled kernel (kernels/cpu/decode_attention.cpp) for sequences with few new
+tokens and short prefills; torch SDPA for the rest.
 
-The compiled kernel is FlashAttention's online softmax with the cache block as the KV tile, reading
-K/V where they lie in the paged cache: no gathered copy, no score matrix. With a bf16 cache on a CPU
-with AMX (head dim 32 or 64, blocks a multiple of 16 keys) its products run on the AMX tiles
-(decode_attention_amx.cpp), elsewhere on AVX-512 or plain loops. Long prefill rows are a
-matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py); the AMX kernel
-wins while a sequence has at most AMX_PREFILL_MAX_KEYS keys, the AVX512-BF16 kernel (where AMX does not
-apply) while it has at most BF16_PREFILL_MAX_KEYS. A sliding-window layer runs a vector kernel, which skips
-the cache blocks before the window; the AMX kernel has no window, so on AMX such a layer's prefill rows go
-to the AVX512-BF16 kernel where it applies, else to SDPA.
+The compiled kernel is FlashAttention's online softmax with the cache block as the KV tile, reading K/V where
+they lie in the paged cache: no gathered copy, no score matrix. With a bf16 cache on a CPU with AMX (head dim
+32 or 64, blocks a multiple of 16 keys) its products run on the AMX tiles (decode_attention_amx.cpp),
+elsewhere on AVX512-BF16 or on float32 vectors over widened tiles (AVX2 and up), or plain loops. Long prefill
+rows are a matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py); the AMX kernel
+wins while a sequence has at most AMX_PREFILL_MAX_KEYS keys, where AMX does not apply the AVX512-BF16 kernel
+while it has at most BF16_PREFILL_MAX_KEYS and the widened float32 kernel while it has at most
+WIDENED_PREFILL_MAX_KEYS. The plain loops never take prefill rows. A sliding-window layer runs a vector
+kernel, which skips the cache blocks before the window; the AMX kernel has no window, so on AMX such a layer's
+prefill rows go to a vector kernel.
 """
 
 from __future__ import annotations
@@ -33,15 +33,21 @@ AMX_PREFILL_MAX_KEYS = 512
 # (benchmarks/prefill_attention.py; figures: benchmarks/RESULTS.md, "Prefill rows on the AVX512-BF16
 # attention kernel").
 BF16_PREFILL_MAX_KEYS = 1024
+# And for the widened float32 kernel where it scores on vectors (AVX2 and up), whose rows each rescan the keys
+# they see (benchmarks/prefill_attention.py --dtype bfloat16|float32; figures: benchmarks/RESULTS.md,
+# "Prefill rows on the widened float32 kernel").
+WIDENED_PREFILL_MAX_KEYS = 512
 
 
 def longest_prefill_on_kernel(kernels: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, window_keys: int) -> int:
     """The most keys a sequence with prefill rows may have for its rows to run on the compiled kernel: 0 where
-    only the widened float32 kernel would take them (they go to SDPA)."""
+    only the widened kernel's plain loops would take them (they go to SDPA)."""
     if kernels.amx_attention_applies(q, k_cache, window_keys):
         return AMX_PREFILL_MAX_KEYS
     if kernels.bf16_attention_applies(q, k_cache):
         return BF16_PREFILL_MAX_KEYS
+    if kernels.widened_attention_vectorized(q):
+        return WIDENED_PREFILL_MAX_KEYS
     return 0
 
 

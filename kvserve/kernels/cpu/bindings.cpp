@@ -61,6 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_attention_applies", &amx_attention_applies, "whether decode_attention runs these q/cache on AMX");
   m.def("bf16_attention_applies", &bf16_attention_applies,
         "whether decode_attention runs these q/cache on AVX512-BF16 where AMX does not apply");
+  m.def("widened_attention_vectorized", &widened_attention_vectorized,
+        "whether decode_attention's widened float32 kernel scores these q on vectors");
   m.def("gemv_bf16", without_gil_when_long<&gemv_bf16>,
         "x @ weight.T for a few bf16 rows, at the memory bandwidth of the weight");
   m.attr("GEMV_MAX_ROWS") = kGemvMaxRows;

@@ -41,6 +41,15 @@ inline __m256 sum_lanes_of_each(const __m256 (&v)[8]) {
 }
 #endif
 
+// Whether float_tile_scores runs on vectors for this head dim (else on scalar loops).
+inline bool tile_scores_vectorized([[maybe_unused]] int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return dim % 8 == 0;
+#else
+  return false;
+#endif
+}
+
 // scores[j] = q . k_j for the first nkeys keys of a tile of float32 keys `dim` apart. With AVX2, eight
 // keys at a time, their sums reduced together: a separate horizontal sum per key (GCC finishes a
 // vectorized reduction with dependent scalar adds) cost as much as its products.
@@ -48,7 +57,7 @@ inline void float_tile_scores(const float* __restrict q, const float* __restrict
                               float* __restrict scores) {
 #if defined(__AVX2__) && defined(__FMA__)
   static_assert(kTile % 8 == 0, "a tile is whole groups of eight keys");
-  if (dim % 8 == 0) {
+  if (tile_scores_vectorized(dim)) {
     // All eight keys of a group are read even past nkeys: the tile buffer holds kTile keys, and
     // softmax_tile ignores the scores past `visible`.
     for (int64_t j0 = 0; j0 < nkeys; j0 += 8) {
@@ -278,5 +287,7 @@ bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window) {
   shape.window = window;
   return q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && amx_decode_supported(shape);
 }
+
+bool widened_attention_vectorized(at::Tensor q) { return tile_scores_vectorized(q.size(-1)); }
 
 }  // namespace kvserve

@@ -35,6 +35,10 @@ bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window);
 // kernel where the AMX kernel does not (bf16, head dim a multiple of 32, built with AVX512-BF16 and enabled).
 // That kernel takes short prefill rows too (kvserve/kernels/attention_cpu.py).
 bool bf16_attention_applies(at::Tensor q, at::Tensor k_cache);
+// Whether the widened float32 kernel, which takes the rest, scores q [T, Hq, D] on vectors (built with AVX2
+// and FMA, head dim a multiple of 8). Only then does it take short prefill rows (attention_cpu.py): its
+// scalar loops run them slower than SDPA.
+bool widened_attention_vectorized(at::Tensor q);
 // The most rows of x gemv_bf16 takes: past two rows oneDNN's packed kernels are as fast (the weight is
 // no longer the only cost; figures: benchmarks/RESULTS.md, "Figures behind the code's rules").
 constexpr int64_t kGemvMaxRows = 2;
