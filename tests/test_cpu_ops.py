@@ -195,7 +195,7 @@ def calls_beside_a_ticking_thread(call, times: int) -> tuple[list[tuple[float, f
 
 CASES = [
     # (query_lens, seq_lens): decode, verify (several new tokens), partial and exact blocks, a fresh
-    # 1-token sequence, and prefill chunks: 40/40 runs on the kernel; 12/500 too, but on AMX (bf16) on SDPA;
+    # 1-token sequence, and prefill chunks: 40/40 and 12/500 run on the kernel (on SDPA on the generic path),
     # 30/1100 on SDPA everywhere.
     ([1, 1, 1], [1, 16, 17]),
     ([1, 4, 8, 1, 3], [90, 4, 100, 33, 300]),
