@@ -230,13 +230,13 @@ inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const ActivationRows&
 
 // fn(m, std::integral_constant<int, M>{}) for the chunks of x's `rows` rows: m the chunk's first row, M
 // its row count as a compile-time constant (kRowChunk, then fewer for the last).
-template <typename Fn>
+template <int Chunk = kRowChunk, typename Fn>
 inline void for_row_chunks(int64_t rows, Fn&& fn) {
   int64_t m = 0;
-  for (; m + kRowChunk <= rows; m += kRowChunk) fn(m, std::integral_constant<int, kRowChunk>{});
+  for (; m + Chunk <= rows; m += Chunk) fn(m, std::integral_constant<int, Chunk>{});
   [&]<int... Ms>(std::integer_sequence<int, Ms...>) {
     ((rows - m == Ms + 1 ? fn(m, std::integral_constant<int, Ms + 1>{}) : void()), ...);
-  }(std::make_integer_sequence<int, kRowChunk - 1>{});
+  }(std::make_integer_sequence<int, Chunk - 1>{});
 }
 
 // fn over [0, items) on the threads: one contiguous share each (at::parallel_for, at least `grain` items)
@@ -494,6 +494,53 @@ inline void q6_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   for (int m = 0; m < M; ++m) out[m] = acc[m];
 }
 
+// Q4_0 and Q4_1: a block is its 4-bit values, its scale and its offset.
+template <typename Group>
+constexpr bool kNibbles =
+    std::is_same_v<Group, quant::RowGroup<quant::Q4_0>> || std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
+
+#ifndef KVSERVE_HAS_VNNI
+// Q4_0 and Q4_1 in row groups without VNNI, for chunks of kNibbleMinRows rows of x or more: each 32-byte load
+// of a block's nibbles is split into its two vectors of values, which meet every row of x before the next
+// load, so three vectors of the block are live and the rows' int16 sums (one chain each: an add's latency is
+// a cycle) and accumulators stay in AVX2's 16 registers. row_group_rows unpacks the whole block first, and GCC
+// kept two rows' accumulators on the stack there; at one or two rows it is still the faster
+// (benchmarks/RESULTS.md, "Nibble rows in registers"). A row takes row_group_rows' float operations (its
+// integer sums are exact whichever chain holds them), so its results do not depend on the chunk it is in.
+constexpr int kNibbleMinRows = 3;
+template <typename Group, int M>
+inline void nibble_row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;  // offset m, else Q4_0's -8 d
+  using L = GroupLanes8;
+  const int64_t xblocks = x.k / kXBlock;
+  const __m256i mask = L::bytes(0xF);
+  __m256 acc[M], acc_offset[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), acc_offset[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < xblocks; ++b) {
+    const uint8_t* p = group + b * Group::kBytes;
+    __m256i sums[M];
+    for (int m = 0; m < M; ++m) sums[m] = L::zero();
+    for (int j = 0; j < Group::kQsVectors; ++j) {
+      const __m256i w = L::load(p + Group::kQsOffset + 32 * j, 0);
+      const __m256i low = w & mask, high = L::srli16(w, 4) & mask;  // elements 4j.., 4(j + 4)..
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xq = x.q + (m * xblocks + b) * kXBlock;
+        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, L::four_bytes(xq + 4 * j)));
+        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, L::four_bytes(xq + 4 * (j + 4))));
+      }
+    }
+    const __m256 d = L::halves(p, 0), offset = kMin ? L::halves(p + 16, 0) : d * splat<__m256>(-8.f);
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = m * xblocks + b;
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], _mm256_set1_epi16(1)));
+      acc[m] = lanes_fma(dot, d * splat<__m256>(x.scale[i]), acc[m]);
+      acc_offset[m] = lanes_fma(offset, splat<__m256>(x.sum32[i]), acc_offset[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = acc[m] + acc_offset[m];
+}
+#endif
+
 // The M rows of x times V vectors of row groups, by the type's form.
 template <typename Group, int M, typename L, int V>
 inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRows& x, typename L::Float* out) {
@@ -501,9 +548,18 @@ inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRow
     q4_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
   else if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q6_K>>)
     q6_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
+#ifndef KVSERVE_HAS_VNNI
+  else if constexpr (kNibbles<Group> && M >= kNibbleMinRows)
+    nibble_row_group_rows<Group, M>(group, x, out);
+#endif
   else
     row_group_rows<Group, M, L, V>(group, stride, x, out);
 }
+
+// Rows of x per chunk in row_group_tile: four for the nibble types without VNNI (nibble_row_group_rows: sums
+// and accumulators of four rows fill the registers), else kRowChunk.
+template <typename Group>
+constexpr int kGroupChunkRows = kNibbles<Group> && !kVnni ? 4 : kRowChunk;
 
 // Rows of x per sweep: the M of group_rows for the types whose blocks cost the most to unpack (all but Q4_0's
 // and Q4_1's nibbles: Q5_0's fifth bits, Q8_0's two vectors, the K-quants' scales), so that each block is
@@ -513,12 +569,11 @@ inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRow
 // either way, so its results do not depend on the rows beside it.
 constexpr int kSweepRows = 16;
 template <typename Group>
-constexpr bool kSweeps =
-    !std::is_same_v<Group, quant::RowGroup<quant::Q4_0>> && !std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
+constexpr bool kSweeps = !kNibbles<Group>;
 
-// Every row of x times the L::kGroups * V groups from group g on, in sweeps (kSweeps) and chunks of kRowChunk
-// rows, stored into y (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's results beside
-// group gate_groups + g's, as silu_mul (layer_ops.cpp) computes them from float32.
+// Every row of x times the L::kGroups * V groups from group g on, in sweeps (kSweeps) and chunks of
+// kGroupChunkRows rows, stored into y (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's
+// results beside group gate_groups + g's, as silu_mul (layer_ops.cpp) computes them from float32.
 template <typename Group, typename L, int V, typename Out>
 inline void row_group_tile(const uint8_t* w, int64_t group_bytes, const Activations& x, int64_t rows, Out* y,
                            int64_t columns, int64_t g, int64_t gate_groups) {
@@ -539,8 +594,8 @@ inline void row_group_tile(const uint8_t* w, int64_t group_bytes, const Activati
   int64_t m0 = 0;
   if constexpr (kSweeps<Group>)
     for (; m0 + kSweepRows <= rows; m0 += kSweepRows) rows_from.template operator()<kSweepRows>(m0);
-  for_row_chunks(rows - m0,
-                 [&](int64_t m, auto chunk) { rows_from.template operator()<decltype(chunk)::value>(m0 + m); });
+  for_row_chunks<kGroupChunkRows<Group>>(
+      rows - m0, [&](int64_t m, auto chunk) { rows_from.template operator()<decltype(chunk)::value>(m0 + m); });
 }
 
 // Vectors per tile on the widest lanes: two for Q8_0, whose unpacking is a xor, so that each broadcast
