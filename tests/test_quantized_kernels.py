@@ -387,8 +387,8 @@ def test_quant_gemv_rows_of_a_batch_are_each_row_alone(kernels, qtype, in_groups
     same bits as each row multiplied alone (one thread quantizes it), and lie within the int8 bound. The
     batch takes the forms a lone row does not: chunks of rows with x broadcast inside the dots and, in row
     groups of every type but Q4_0 and Q4_1, sweeps of 16 rows over each unpacked block (70 rows: four sweeps,
-    then chunks of four and two); Q4_0 and Q4_1 in row groups without VNNI, chunks of four rows that meet
-    their blocks' values load by load, and a last chunk of two as a lone row's; gated too (W = [gate; up])."""
+    then chunks of four and two); Q4_0, Q4_1 and Q8_0 in row groups without VNNI, chunks of four rows that
+    meet their blocks' values load by load, and a last chunk of two as a lone row's; gated too (W = [gate; up])."""
     gen = np.random.default_rng(90)
     n, k, rows = 64, 512, 70
     blocks = random_blocks(qtype, n, k, gen)

@@ -494,23 +494,25 @@ inline void q6_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   for (int m = 0; m < M; ++m) out[m] = acc[m];
 }
 
-// Q4_0 and Q4_1: a block is its 4-bit values, its scale and its offset.
+// Q4_0, Q4_1 and Q8_0: a block is its values, its scale and (the 4-bit types) its offset.
 template <typename Group>
-constexpr bool kNibbles =
-    std::is_same_v<Group, quant::RowGroup<quant::Q4_0>> || std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
+constexpr bool kRegisterRows =
+    std::is_same_v<Group, quant::RowGroup<quant::Q4_0>> || std::is_same_v<Group, quant::RowGroup<quant::Q4_1>> ||
+    std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;
 
 #ifndef KVSERVE_HAS_VNNI
-// Q4_0 and Q4_1 in row groups without VNNI, for chunks of kNibbleMinRows rows of x or more: each 32-byte load
-// of a block's nibbles is split into its two vectors of values, which meet every row of x before the next
-// load, so three vectors of the block are live and the rows' int16 sums (one chain each: an add's latency is
-// a cycle) and accumulators stay in AVX2's 16 registers. row_group_rows unpacks the whole block first, and GCC
+// These types in row groups without VNNI, for chunks of kRegisterMinRows rows of x or more: each 32-byte load
+// of a block's values (a 4-bit type's split into its two vectors of values) meets every row of x before the
+// next load, so few vectors of the block are live and the rows' sums (one chain each: an add's latency is a
+// cycle) and accumulators stay in AVX2's 16 registers. row_group_rows unpacks the whole block first, and GCC
 // kept two rows' accumulators on the stack there; at one or two rows it is still the faster
-// (benchmarks/RESULTS.md, "Nibble rows in registers"). A row takes row_group_rows' float operations (its
+// (benchmarks/RESULTS.md, "Row-group blocks met load by load"). A row takes row_group_rows' float operations (its
 // integer sums are exact whichever chain holds them), so its results do not depend on the chunk it is in.
-constexpr int kNibbleMinRows = 3;
+constexpr int kRegisterMinRows = 3;
 template <typename Group, int M>
-inline void nibble_row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
-  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;  // offset m, else Q4_0's -8 d
+inline void register_row_group_rows(const uint8_t* group, const ActivationRows& x, __m256* out) {
+  constexpr bool kMin = std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;    // offset m
+  constexpr bool kEight = std::is_same_v<Group, quant::RowGroup<quant::Q8_0>>;  // no offset; else Q4_0's -8 d
   using L = GroupLanes8;
   const int64_t xblocks = x.k / kXBlock;
   const __m256i mask = L::bytes(0xF);
@@ -518,23 +520,31 @@ inline void nibble_row_group_rows(const uint8_t* group, const ActivationRows& x,
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), acc_offset[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < xblocks; ++b) {
     const uint8_t* p = group + b * Group::kBytes;
-    __m256i sums[M];
+    __m256i sums[M];  // int32 for Q8_0; else int16 pairs
     for (int m = 0; m < M; ++m) sums[m] = L::zero();
     for (int j = 0; j < Group::kQsVectors; ++j) {
       const __m256i w = L::load(p + Group::kQsOffset + 32 * j, 0);
-      const __m256i low = w & mask, high = L::srli16(w, 4) & mask;  // elements 4j.., 4(j + 4)..
-      for (int m = 0; m < M; ++m) {
-        const int8_t* xq = x.q + (m * xblocks + b) * kXBlock;
-        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, L::four_bytes(xq + 4 * j)));
-        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, L::four_bytes(xq + 4 * (j + 4))));
+      if constexpr (kEight) {  // elements 4j..: |w| against x with w's sign (dot_u8s8)
+        const __m256i w_abs = _mm256_abs_epi8(w);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xq = x.q + (m * xblocks + b) * kXBlock;
+          sums[m] = _mm256_add_epi32(sums[m], dot_u8s8(w_abs, _mm256_sign_epi8(L::four_bytes(xq + 4 * j), w)));
+        }
+      } else {
+        const __m256i low = w & mask, high = L::srli16(w, 4) & mask;  // elements 4j.., 4(j + 4)..
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xq = x.q + (m * xblocks + b) * kXBlock;
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(low, L::four_bytes(xq + 4 * j)));
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(high, L::four_bytes(xq + 4 * (j + 4))));
+        }
       }
     }
     const __m256 d = L::halves(p, 0), offset = kMin ? L::halves(p + 16, 0) : d * splat<__m256>(-8.f);
     for (int m = 0; m < M; ++m) {
       const int64_t i = m * xblocks + b;
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], _mm256_set1_epi16(1)));
+      const __m256 dot = _mm256_cvtepi32_ps(kEight ? sums[m] : _mm256_madd_epi16(sums[m], _mm256_set1_epi16(1)));
       acc[m] = lanes_fma(dot, d * splat<__m256>(x.scale[i]), acc[m]);
-      acc_offset[m] = lanes_fma(offset, splat<__m256>(x.sum32[i]), acc_offset[m]);
+      if constexpr (!kEight) acc_offset[m] = lanes_fma(offset, splat<__m256>(x.sum32[i]), acc_offset[m]);
     }
   }
   for (int m = 0; m < M; ++m) out[m] = acc[m] + acc_offset[m];
@@ -549,27 +559,33 @@ inline void group_rows(const uint8_t* group, int64_t stride, const ActivationRow
   else if constexpr (std::is_same_v<Group, quant::RowGroup<quant::Q6_K>>)
     q6_k_row_group_rows<Group, M, L, V>(group, stride, x, out);
 #ifndef KVSERVE_HAS_VNNI
-  else if constexpr (kNibbles<Group> && M >= kNibbleMinRows)
-    nibble_row_group_rows<Group, M>(group, x, out);
+  else if constexpr (kRegisterRows<Group> && M >= kRegisterMinRows)
+    register_row_group_rows<Group, M>(group, x, out);
 #endif
   else
     row_group_rows<Group, M, L, V>(group, stride, x, out);
 }
 
-// Rows of x per chunk in row_group_tile: four for the nibble types without VNNI (nibble_row_group_rows: sums
-// and accumulators of four rows fill the registers), else kRowChunk.
+// Whether these rows take register_row_group_rows' chunks (row groups of its types, no VNNI).
 template <typename Group>
-constexpr int kGroupChunkRows = kNibbles<Group> && !kVnni ? 4 : kRowChunk;
+constexpr bool kRegisterChunks = kRegisterRows<Group> && !kVnni;
+
+// Rows of x per chunk in row_group_tile: four in register_row_group_rows' chunks (four rows' sums and
+// accumulators beside the block's vectors fill the registers), else kRowChunk.
+template <typename Group>
+constexpr int kGroupChunkRows = kRegisterChunks<Group> ? 4 : kRowChunk;
 
 // Rows of x per sweep: the M of group_rows for the types whose blocks cost the most to unpack (all but Q4_0's
 // and Q4_1's nibbles: Q5_0's fifth bits, Q8_0's two vectors, the K-quants' scales), so that each block is
 // unpacked once per sweep of 16 rows rather than once per chunk of kRowChunk. Too many for the registers, a
 // sweep's sums live in L1 (2 KiB a vector); with fewer rows, and for Q4_0 and Q4_1 at any count, the chunks
-// in registers ran faster (benchmarks/RESULTS.md, "Sixteen-row sweeps"). A row takes the same operations
+// in registers ran faster (benchmarks/RESULTS.md, "Sixteen-row sweeps"), as did Q8_0 in
+// register_row_group_rows' chunks without VNNI ("Row-group blocks met load by load"). A row takes the same operations
 // either way, so its results do not depend on the rows beside it.
 constexpr int kSweepRows = 16;
 template <typename Group>
-constexpr bool kSweeps = !kNibbles<Group>;
+constexpr bool kSweeps = !kRegisterChunks<Group> && !std::is_same_v<Group, quant::RowGroup<quant::Q4_0>> &&
+                         !std::is_same_v<Group, quant::RowGroup<quant::Q4_1>>;
 
 // Every row of x times the L::kGroups * V groups from group g on, in sweeps (kSweeps) and chunks of
 // kGroupChunkRows rows, stored into y (`columns` columns). Gated (gate_groups > 0): silu(gate) * up, group g's
