@@ -229,7 +229,7 @@ inline void gemv_rows(const uint8_t* w, int64_t row_bytes, const ActivationRows&
 }
 
 // fn(m, std::integral_constant<int, M>{}) for the chunks of x's `rows` rows: m the chunk's first row, M
-// its row count as a compile-time constant (kRowChunk, then fewer for the last).
+// its row count as a compile-time constant (Chunk, then fewer for the last).
 template <int Chunk = kRowChunk, typename Fn>
 inline void for_row_chunks(int64_t rows, Fn&& fn) {
   int64_t m = 0;
