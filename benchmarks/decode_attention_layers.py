@@ -6,9 +6,10 @@ Kernels (bf16 caches, SmolLM2-135M's attention shape by default: 9 query heads, 
 --heads 4,1,256 for Gemma 3 270M's, --window 512 for its sliding layers; blocks of 16, block tables shuffled
 as a busy pool leaves them):
 - "bf16": decode_attention_bf16.cpp (AVX512-BF16 builds);
-- "widened": decode_attention.cpp's float32 kernel, the path of AVX2 and plain builds
-  (set_bf16_attention off);
-- "bf16-whole", "widened-whole": the same with the key split off (set_attention_key_split), which
+- "avx2": decode_attention_avx2.cpp (the avx2 path's builds);
+- "widened": decode_attention.cpp's float32 kernel, the path of plain builds and of AVX-512 ones without
+  AVX512-BF16 (set_bf16_attention and set_avx2_attention off);
+- "bf16-whole", "avx2-whole", "widened-whole": the same with the key split off (set_attention_key_split), which
   otherwise shares few decode rows' keys among the threads (decode_attention_key_split.h);
 - "amx": decode_attention_amx.cpp where the CPU has AMX (set_amx_attention off for the others).
 Rounds alternate the kernels, so a change in this VM's speed hits each alike. Printed per batch shape:
@@ -52,20 +53,29 @@ def layer_inputs(batch: int, keys: int, heads: tuple[int, int, int], layers: int
     return inputs
 
 
-def kernel_switches(kernels) -> dict[str, tuple[bool, bool, bool]]:
-    """name -> (AMX allowed, AVX512-BF16 allowed, key split allowed), for the kernels this build and CPU run."""
-    switches = {"widened": (False, False, True), "widened-whole": (False, False, False)}
+def kernel_switches(kernels) -> dict[str, tuple[bool, bool, bool, bool]]:
+    """name -> (AMX allowed, AVX512-BF16 allowed, AVX2 kernel allowed, key split allowed), for the kernels this
+    build and CPU run."""
+    switches = {"widened": (False, False, False, True), "widened-whole": (False, False, False, False)}
     if cpu_isa.selected().bf16:  # the build has AVX512-BF16 (or AMX, whose builds have it too)
-        switches["bf16"] = (False, True, True)
-        switches["bf16-whole"] = (False, True, False)
+        switches["bf16"] = (False, True, False, True)
+        switches["bf16-whole"] = (False, True, False, False)
+    if cpu_isa.selected().isa.name == "avx2":
+        switches["avx2"] = (False, False, True, True)
+        switches["avx2-whole"] = (False, False, True, False)
     if kernels.amx_available():
-        switches["amx"] = (True, False, False)
+        switches["amx"] = (True, False, False, False)
     return switches
 
 
-def set_switches(kernels, amx: bool, bf16: bool, split: bool) -> tuple[bool, bool, bool]:
+def set_switches(kernels, amx: bool, bf16: bool, avx2: bool, split: bool) -> tuple[bool, bool, bool, bool]:
     """Sets the kernel switches; returns their previous settings."""
-    return kernels.set_amx_attention(amx), kernels.set_bf16_attention(bf16), kernels.set_attention_key_split(split)
+    return (
+        kernels.set_amx_attention(amx),
+        kernels.set_bf16_attention(bf16),
+        kernels.set_avx2_attention(avx2),
+        kernels.set_attention_key_split(split),
+    )
 
 
 def one_pass_ms(kernels, inputs: list[tuple], scale: float, window: int) -> float:

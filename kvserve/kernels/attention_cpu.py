@@ -4,10 +4,11 @@ tokens and short prefills; torch SDPA for the rest.
 The compiled kernel is FlashAttention's online softmax with the cache block as the KV tile, reading K/V where
 they lie in the paged cache: no gathered copy, no score matrix. With a bf16 cache on a CPU with AMX (head dim
 32 or 64, blocks a multiple of 16 keys) its products run on the AMX tiles (decode_attention_amx.cpp),
-elsewhere on AVX512-BF16 or on float32 vectors over widened tiles (AVX2 and up), or plain loops. Long prefill
+elsewhere on AVX512-BF16, on the avx2 path on float32 vectors widened in registers, or on float32 vectors
+over widened tiles (AVX-512 without AVX512-BF16), or plain loops. Long prefill
 rows are a matrix-product workload, where SDPA's blocked GEMMs win (benchmarks/attention.py); the AMX kernel
 wins while a sequence has at most AMX_PREFILL_MAX_KEYS keys, where AMX does not apply the AVX512-BF16 kernel
-while it has at most BF16_PREFILL_MAX_KEYS and the widened float32 kernel while it has at most
+while it has at most BF16_PREFILL_MAX_KEYS and the AVX2 or widened float32 kernel while it has at most
 WIDENED_PREFILL_MAX_KEYS. The plain loops never take prefill rows. A sliding-window layer runs a vector
 kernel, which skips the cache blocks before the window; the AMX kernel has no window, so on AMX such a layer's
 prefill rows go to a vector kernel.
@@ -33,7 +34,7 @@ AMX_PREFILL_MAX_KEYS = 512
 # (benchmarks/prefill_attention.py; figures: benchmarks/RESULTS.md, "Prefill rows on the AVX512-BF16
 # attention kernel").
 BF16_PREFILL_MAX_KEYS = 1024
-# And for the widened float32 kernel where it scores on vectors (AVX2 and up), whose rows each rescan the keys
+# And for the AVX2 and widened float32 kernels where they score on vectors (AVX2 and up), whose rows rescan the keys
 # they see (benchmarks/prefill_attention.py --dtype bfloat16|float32; figures: benchmarks/RESULTS.md,
 # "Prefill rows on the widened float32 kernel").
 WIDENED_PREFILL_MAX_KEYS = 512

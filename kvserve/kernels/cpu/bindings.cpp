@@ -55,6 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "allow decode_attention's AMX kernel (default); returns the old value");
   m.def("set_bf16_attention", &set_bf16_attention,
         "allow decode_attention's AVX512-BF16 kernel (default); returns the old value");
+  m.def("set_avx2_attention", &set_avx2_attention,
+        "allow decode_attention's AVX2 kernel (default); returns the old value");
   m.def("set_attention_key_split", &set_attention_key_split,
         "allow decode_attention to split few decode rows' keys among the threads (default); returns the old value");
   m.def("amx_available", &amx_permitted, "whether the AMX kernels (attention, linear_amx) can run here");

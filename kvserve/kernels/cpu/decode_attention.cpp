@@ -27,9 +27,11 @@ bool set_attention_key_split(bool enabled) { return key_split_enabled.exchange(e
 // contiguous. block_tables [B, W], seq_lens [B], cu_seqlens_q [B+1]: int64 (kernels/metadata.py).
 // seq_ids: which sequences to process. out: [>= T, Hq, D] contiguous; only their rows are written.
 // bf16 caches go to the AMX kernel (decode_attention_amx.cpp) where the CPU has it and the shapes fit,
-// else to the AVX512-BF16 one (decode_attention_bf16.cpp) where the build has it; this kernel takes the
-// rest (float32 caches; bf16 on AVX2 and plain builds), its products in float32 over widened tiles. Few
-// decode rows on the two vector kernels are split by keys among the threads (decode_attention_key_split.h).
+// else to the AVX512-BF16 one (decode_attention_bf16.cpp) where the build has it, else on the avx2 path's
+// build to the AVX2 one (decode_attention_avx2.cpp); this kernel takes the rest (plain builds, float32 caches
+// on AVX-512, bf16 on AVX-512 without AVX512-BF16, head dims the AVX2 kernel does not take), its products in
+// float32 over widened tiles. Few
+// decode rows on the vector kernels are split by keys among the threads (decode_attention_key_split.h).
 
 #ifdef __AVX2__
 // Lane j of the result is the sum of the 8 lanes of v[j]: 6 horizontal adds, 2 lane swaps and an add.
@@ -266,8 +268,11 @@ void decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
       return;
     }
     const auto vector_kernel = [&](const DecodeProblem& p, const raw_t<scalar_t>* q_rows, raw_t<scalar_t>* out_rows) {
-      if (!decode_attention_bf16(p, q_rows, raw<scalar_t>(k_cache), raw<scalar_t>(v_cache), out_rows)) {
-        decode_attention_kernel(p, q_rows, raw<scalar_t>(k_cache), raw<scalar_t>(v_cache), out_rows);
+      const auto* k_rows = raw<scalar_t>(k_cache);
+      const auto* v_rows = raw<scalar_t>(v_cache);
+      if (!decode_attention_bf16(p, q_rows, k_rows, v_rows, out_rows) &&
+          !decode_attention_avx2(p, q_rows, k_rows, v_rows, out_rows)) {
+        decode_attention_kernel(p, q_rows, k_rows, v_rows, out_rows);
       }
     };
     const int64_t part_keys =

@@ -243,4 +243,10 @@ inline bool decode_attention_bf16(const DecodeProblem&, const float*, const floa
   return false;
 }
 
+// The AVX2 kernel (decode_attention_avx2.cpp), for bf16 and float32 caches: false, having computed nothing,
+// where the build is not the avx2 path's (AVX2 without AVX-512), the head dim is not a multiple of 32 or
+// set_avx2_attention is off.
+template <typename T>
+bool decode_attention_avx2(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_cache, T* out);
+
 }  // namespace kvserve

@@ -16,7 +16,7 @@
 //   its own and no pass over the row's output; the reference cancels in out / l;
 // - a tile's P.V keeps the output of up to kRowsPerPass rows in registers and pairs each two V rows once
 //   for all of them (a decode step's 3 query heads per KV head, in SmolLM2).
-#include "decode_attention.h"
+#include "decode_attention_chunks.h"
 #include "work_claims.h"
 
 #include <atomic>
@@ -194,11 +194,6 @@ inline int64_t pair_order_index(int64_t d) {
   return d - e + (e % 8) / 4 * 16 + e / 8 * 4 + e % 4;
 }
 
-// A work item: one sequence and heads_per_item of its KV heads from first_head.
-struct Item {
-  int64_t seq, first_head;
-};
-
 }  // namespace
 
 bool bf16_attention_applies(at::Tensor q, at::Tensor k_cache) {
@@ -209,15 +204,9 @@ bool bf16_attention_applies(at::Tensor q, at::Tensor k_cache) {
 bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                            uint16_t* out) {
   if (p.dim % kPairDims != 0 || !bf16_enabled.load()) return false;
-  const int64_t dim = p.dim, hq = p.hq, hkv = p.hkv, group = hq / hkv, key_len = hkv * dim;
-  const int64_t heads = heads_per_item(p);
-  const int64_t items_per_seq = hkv / heads;
-  const auto item_at = [=](int64_t item) {
-    return Item{p.seq_ids[item / items_per_seq], item % items_per_seq * heads};
-  };
+  const int64_t dim = p.dim, key_len = p.hkv * dim, heads = heads_per_item(p);
   const ItemSplit split(p, heads, kChunkRows, kTile);
   parallel_claims(0, split.parts(), [=, &split](int64_t first_part, int64_t last_part) {
-    const int64_t begin = split.first_item(first_part), end = split.first_item(last_part);
     const FlushDenormals ftz;
     const int64_t max_rows = heads * kChunkRows;
     std::vector<float> out_rows(max_rows * dim), natural(dim);  // per row: the output sums, in pair order
@@ -226,70 +215,47 @@ bool decode_attention_bf16(const DecodeProblem& p, const uint16_t* q, const uint
     std::vector<const uint16_t*> q_rows(max_rows);
     std::vector<int64_t> first_key(max_rows), last_key(max_rows);  // per row: the first and last key it may see
     PacedPrefetch<uint16_t, _MM_HINT_T1> prefetch;                 // the next tile's K/V rows
-    for (int64_t item = begin; item < end; ++item) {
-      const auto [seq, first_head] = item_at(item);
-      const int64_t row0 = p.cu_seqlens_q[seq], qlen = p.cu_seqlens_q[seq + 1] - row0, slen = p.seq_lens[seq];
-      const int64_t* table = p.tables + seq * p.table_width;
-      const int64_t head_rows = qlen * group;  // each head's rows, in query_row's order
-      // Chunks of up to kChunkRows of each head's rows (decode rows: one chunk), so that a prefill's output
-      // rows stay in L1 across the tiles and each chunk reads only the keys its rows see.
-      for (int64_t first_row = 0; first_row < head_rows; first_row += kChunkRows) {
-        const int64_t rows = std::min(kChunkRows, head_rows - first_row), nrows = heads * rows;
-        // Prefetching, as in decode_attention_amx.cpp: the first chunk reads the item's keys from memory and
-        // asks for each next tile; later chunks find them in cache. The item's last tile asks for the next
-        // item's first.
-        const bool first_chunk = first_row == 0, last_chunk = first_row + kChunkRows >= head_rows;
-        std::fill_n(out_rows.begin(), nrows * dim, 0.f);
-        std::fill_n(softmax.begin(), nrows, RowSoftmax{});
-        for (int64_t r = 0; r < nrows; ++r) {  // row r: row first_row + r % rows of KV head first_head + r / rows
-          const QueryRow row = query_row(first_row + r % rows, first_head + r / rows, group);
-          q_rows[r] = q + (row0 + row.token) * p.q_row_stride + row.q_head * p.q_head_stride;
-          last_key[r] = slen - qlen + row.token;  // causal: the row sees keys up to its own position
-          first_key[r] = first_visible_key(last_key[r], p.window);
-        }
-        const int64_t keys_end = chunk_keys_end(slen, qlen, group, first_row, rows);
-        for (int64_t kv_start = first_tile_key(p, last_key[0]), nkeys; kv_start < keys_end; kv_start += nkeys) {
-          nkeys = tile_keys(p, kv_start, keys_end);
-          const int64_t tile_at = cache_row(p, table, kv_start, first_head);
-          if (first_chunk && kv_start + nkeys < keys_end) {
-            prefetch.plan(p, table, kv_start + nkeys, kTile, keys_end, k_cache, v_cache, first_head, heads);
-          } else if (last_chunk && kv_start + nkeys >= keys_end && item + 1 < end) {
-            const auto [next_seq, next_head] = item_at(item + 1);
-            const int64_t next_qlen = p.cu_seqlens_q[next_seq + 1] - p.cu_seqlens_q[next_seq];
-            const int64_t next_slen = p.seq_lens[next_seq];
-            prefetch.plan(p, p.tables + next_seq * p.table_width, first_tile_key(p, next_slen - next_qlen), kTile,
-                          next_slen, k_cache, v_cache, next_head, heads);
-          }
-          const int64_t row_share = row_prefetch_share(prefetch.lines(), heads, rows);
-          for (int64_t head = 0; head < heads; ++head) {
-            const int64_t r0 = head * rows;
-            for (int64_t r = r0; r < r0 + rows; ++r) {
-              const __mmask16 seen = first_lanes(std::min(nkeys, last_key[r] - kv_start + 1)) &
-                                     static_cast<__mmask16>(~first_lanes(first_key[r] - kv_start));
-              uint32_t* row_pairs = &p_pairs[r * kTile / 2];
-              if (seen == 0) {  // the tile lies wholly outside the row's keys
-                std::fill(row_pairs, row_pairs + kTile / 2, 0u);
-                continue;
-              }
-              const __m512 scores = tile_scores(q_rows[r], k_cache + tile_at + head * dim, key_len, nkeys, dim);
-              tile_probabilities(scores, seen, p.scale, softmax[r], &out_rows[r * dim], dim, row_pairs);
-              prefetch.issue(row_share);
-            }
-            prefetch.issue(kPrefetchBatch);
-            accumulate_tile(&p_pairs[r0 * kTile / 2], v_cache + tile_at + head * dim, key_len, nkeys, rows, dim,
-                            &out_rows[r0 * dim]);
-            prefetch.issue(kPrefetchBatch);
-          }
-          prefetch.issue(-1);
-        }
-        for (int64_t r = 0; r < nrows; ++r) {
-          const QueryRow row = query_row(first_row + r % rows, first_head + r / rows, group);
-          for (int64_t d = 0; d < dim; ++d) natural[d] = out_rows[r * dim + pair_order_index(d)];
-          store_row(p, out, (row0 + row.token) * hq + row.q_head, natural.data(), softmax[r].m,
-                    _mm512_reduce_add_ps(softmax[r].l));
-        }
+    const auto start = [&](const DecodeChunk& chunk) {
+      std::fill_n(out_rows.begin(), heads * chunk.rows * dim, 0.f);
+      std::fill_n(softmax.begin(), heads * chunk.rows, RowSoftmax{});
+      for (int64_t r = 0; r < heads * chunk.rows; ++r) {
+        q_rows[r] = chunk.query(q, r);
+        last_key[r] = chunk.last_key(r);
+        first_key[r] = chunk.first_key(r);
       }
-    }
+    };
+    const auto tile = [&](const DecodeChunk& chunk, int64_t kv_start, int64_t nkeys, int64_t tile_at) {
+      const int64_t rows = chunk.rows;
+      const int64_t row_share = row_prefetch_share(prefetch.lines(), heads, rows);
+      for (int64_t head = 0; head < heads; ++head) {
+        const int64_t r0 = head * rows;
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          const __mmask16 seen = first_lanes(std::min(nkeys, last_key[r] - kv_start + 1)) &
+                                 static_cast<__mmask16>(~first_lanes(first_key[r] - kv_start));
+          uint32_t* row_pairs = &p_pairs[r * kTile / 2];
+          if (seen == 0) {  // the tile lies wholly outside the row's keys
+            std::fill(row_pairs, row_pairs + kTile / 2, 0u);
+            continue;
+          }
+          const __m512 scores = tile_scores(q_rows[r], k_cache + tile_at + head * dim, key_len, nkeys, dim);
+          tile_probabilities(scores, seen, p.scale, softmax[r], &out_rows[r * dim], dim, row_pairs);
+          prefetch.issue(row_share);
+        }
+        prefetch.issue(kPrefetchBatch);
+        accumulate_tile(&p_pairs[r0 * kTile / 2], v_cache + tile_at + head * dim, key_len, nkeys, rows, dim,
+                        &out_rows[r0 * dim]);
+        prefetch.issue(kPrefetchBatch);
+      }
+      prefetch.issue(-1);
+    };
+    const auto finish = [&](const DecodeChunk& chunk) {
+      for (int64_t r = 0; r < heads * chunk.rows; ++r) {
+        for (int64_t d = 0; d < dim; ++d) natural[d] = out_rows[r * dim + pair_order_index(d)];
+        store_row(p, out, chunk.output_row(r), natural.data(), softmax[r].m, _mm512_reduce_add_ps(softmax[r].l));
+      }
+    };
+    walk_chunks(p, heads, kChunkRows, split.first_item(first_part), split.first_item(last_part), k_cache, v_cache,
+                prefetch, start, tile, finish);
   });
   return true;
 }

@@ -24,6 +24,9 @@ bool set_amx_attention(bool enabled);
 // Whether decode_attention may use the AVX512-BF16 kernel where the build has it (the default); returns
 // the previous setting. For tests and benchmarks that compare it with the widened float32 kernel.
 bool set_bf16_attention(bool enabled);
+// Whether decode_attention may use the AVX2 kernel where the build is the avx2 path's (the default); returns
+// the previous setting. For tests and benchmarks that compare it with the widened float32 kernel.
+bool set_avx2_attention(bool enabled);
 // Whether decode_attention may split few decode rows' keys among the threads on the vector kernels
 // (decode_attention_key_split.h; the default); returns the previous setting. For tests and benchmarks.
 bool set_attention_key_split(bool enabled);

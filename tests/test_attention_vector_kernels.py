@@ -1,6 +1,8 @@
-"""decode_attention_bf16.cpp, the AVX512-BF16 decode attention kernel, against the float64 oracle and
-against the widened float32 kernel (decode_attention.cpp) it replaces for bf16 caches, both in one
-build (set_bf16_attention). On AMX CPUs the AMX kernel is switched off for these tests."""
+"""The vector decode attention kernels that replace the widened float32 kernel (decode_attention.cpp) where
+they apply: decode_attention_bf16.cpp (AVX512-BF16, bf16 caches) and decode_attention_avx2.cpp (the avx2
+path's build, bf16 and float32 caches). Each against the float64 oracle and against the widened kernel, both
+in one build (set_bf16_attention, set_avx2_attention). On AMX CPUs the AMX kernel is switched off for these
+tests."""
 
 from __future__ import annotations
 
@@ -12,16 +14,26 @@ from kvserve.kernels.attention_cpu import BF16_PREFILL_MAX_KEYS, cpu_attention
 from kvserve.kernels.attention_ref import climbing_score_inputs, paged_reference_attention, random_paged_inputs
 from kvserve.kernels.cpu import isa as cpu_isa
 
+# Each kernel: whether the selected path builds it, and its switch's name.
+VECTOR_KERNELS = {
+    "bf16": (lambda: cpu_isa.selected().bf16, "set_bf16_attention"),
+    "avx2": (lambda: cpu_isa.selected().isa.name == "avx2", "set_avx2_attention"),
+}
 
-@pytest.fixture
-def kernels():
+
+@pytest.fixture(params=sorted(VECTOR_KERNELS))
+def kernel_switch(request):
+    """The kernel's switch (on at the start), with the AMX kernel off; skips where the path lacks the kernel."""
     built = cpu.load()
-    if built is None or not cpu_isa.selected().bf16:
-        pytest.skip("the build has no AVX512-BF16 (an AVX2 or plain path, or a lower path forced: KVSERVE_CPU_ISA)")
+    applies, switch_name = VECTOR_KERNELS[request.param]
+    if built is None or not applies():
+        pytest.skip(f"the selected path has no {request.param} attention kernel (KVSERVE_CPU_ISA may force another)")
     previous_amx = built.set_amx_attention(False)
-    yield built
+    switch = getattr(built, switch_name)
+    switch(True)
+    yield switch
     built.set_amx_attention(previous_amx)
-    built.set_bf16_attention(True)
+    switch(True)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -55,27 +67,32 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("query_lens", "seq_lens", "heads", "kv_heads", "head_dim", "block_size", "window"), CASES)
-def test_bf16_kernel_matches_the_oracle_and_the_widened_kernel(
-    kernels, query_lens, seq_lens, heads, kv_heads, head_dim, block_size, window
+def test_kernel_matches_the_oracle_and_the_widened_kernel(
+    kernel_switch, dtype, query_lens, seq_lens, heads, kv_heads, head_dim, block_size, window
 ) -> None:
     q, k, v, meta = random_paged_inputs(
-        query_lens, seq_lens, heads, kv_heads, head_dim, block_size, torch.bfloat16, seed=len(seq_lens)
+        query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=len(seq_lens)
     )
     scale = head_dim**-0.5
     ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, scale, torch.float64, window)
     outs = []
-    for bf16 in (True, False):
-        kernels.set_bf16_attention(bf16)
+    for on in (True, False):
+        kernel_switch(on)
         outs.append(cpu_attention(q, k, v, meta, scale, window=window).double())
+    # bf16 outputs are rounded to 8 bits; float32 ones, summed in another order, agree to float32's precision.
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for out in outs:
-        assert relative_error(out, ref) < 1e-2
-    # The kernels differ in rounding only: bf16 probabilities in the bf16 kernel's P.V product.
-    assert relative_error(outs[0], outs[1].double()) < 1e-2
-    assert not torch.equal(outs[0], outs[1]), "both runs took the same kernel"
+        assert relative_error(out, ref) < tolerance
+    assert relative_error(outs[0], outs[1]) < tolerance
+    # Whether the switch chose another kernel shows where the rounding differs: in every float32 output, and
+    # in the bf16 kernel's bf16 probabilities (the AVX2 kernel's bf16 outputs often round to the widened one's).
+    if dtype == torch.float32 or kernel_switch.__name__ == "set_bf16_attention":
+        assert not torch.equal(outs[0], outs[1]), "both runs took the same kernel"
 
 
-def test_bf16_kernel_rescales_when_later_keys_score_higher(kernels) -> None:
+def test_kernel_rescales_when_later_keys_score_higher(kernel_switch) -> None:
     """The lazy reference max must move with scores that climb past its threshold: at scale 10 by 1 per
     key, 300 over a sequence, where exponentials against a stale reference would overflow float32."""
     q, k, v, meta = climbing_score_inputs([1, 2, 64], [300, 200, 100])
@@ -85,9 +102,9 @@ def test_bf16_kernel_rescales_when_later_keys_score_higher(kernels) -> None:
     assert relative_error(out, ref) < 1e-2
 
 
-def test_bf16_kernel_never_reads_nan_past_a_tiles_keys(kernels) -> None:
-    """Every cache slot past each sequence's last key set to NaN (stale rows of a reused block): the masked
-    loads must read zeros there, or 0 * NaN would reach the output."""
+def test_kernel_never_reads_nan_past_a_tiles_keys(kernel_switch) -> None:
+    """Every cache slot past each sequence's last key set to NaN (stale rows of a reused block): the kernels
+    must not read them (the bf16 kernel's masked loads read zeros there), or 0 * NaN would reach the output."""
     query_lens, seq_lens = [1, 1, 1, 1, 2, 40], [5, 21, 40, 16, 9, 45]
     q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=5)
     used = torch.zeros(k.shape[:2], dtype=torch.bool)
@@ -102,12 +119,13 @@ def test_bf16_kernel_never_reads_nan_past_a_tiles_keys(kernels) -> None:
     assert relative_error(out, ref) < 1e-2
 
 
-def test_prefill_rows_take_the_bf16_kernel_up_to_its_bound(kernels) -> None:
+@pytest.mark.parametrize("kernel_switch", ["bf16"], indirect=True)
+def test_prefill_rows_take_the_bf16_kernel_up_to_its_bound(kernel_switch) -> None:
     """A sequence with prefill rows runs on the kernel while it has at most BF16_PREFILL_MAX_KEYS keys, on
     SDPA past that, and on SDPA whenever the kernel is switched off; both give the oracle's rows."""
     query_lens, seq_lens = [20, 20], [BF16_PREFILL_MAX_KEYS, BF16_PREFILL_MAX_KEYS + 1]
     for bf16, expected_on_kernel in ((True, [0]), (False, [])):
-        kernels.set_bf16_attention(bf16)
+        kernel_switch(bf16)
         q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=3)
         out = cpu_attention(q, k, v, meta, 0.125).double()
         on_kernel, on_sdpa = meta.plans[("cpu", True)]
