@@ -1,7 +1,7 @@
 """Prefill rows on the compiled vector kernel against torch SDPA, the crossovers behind attention_cpu.py's
 BF16_PREFILL_MAX_KEYS and WIDENED_PREFILL_MAX_KEYS (which prefill rows the vector kernels take where AMX does
-not): the AVX512-BF16 kernel where it applies (bf16 on a build with AVX512-BF16), else the widened float32
-kernel (float32 caches, AVX2 builds); the table's header names the one that ran.
+not): the AVX512-BF16 kernel where it applies (bf16 on a build with AVX512-BF16), the AVX2 kernel on the avx2
+path's build, else the widened float32 kernel; the table's header names the one that ran.
 
 Shapes are SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64; --head-dim 256 --heads 4 1 for
 Gemma 3's), bf16 (or --dtype float32), block size 16, shuffled block tables. The kernel runs with AMX off, so
@@ -62,6 +62,8 @@ def main() -> None:
     )
     if kernels.bf16_attention_applies(probe, probe_cache):
         kernel_name = "AVX512-BF16 kernel"
+    elif kernels.avx2_attention_applies(probe):
+        kernel_name = "AVX2 kernel"
     elif kernels.widened_attention_vectorized(probe):
         kernel_name = "widened float32 kernel"
     else:

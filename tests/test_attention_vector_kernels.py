@@ -133,3 +133,20 @@ def test_prefill_rows_take_the_bf16_kernel_up_to_its_bound(kernel_switch) -> Non
         assert on_sdpa == [i for i in range(2) if i not in expected_on_kernel]
         ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, 0.125, torch.float64)
         assert relative_error(out, ref) < 1e-2
+
+
+def test_avx2_kernel_says_where_it_applies() -> None:
+    """avx2_attention_applies (benchmarks/prefill_attention.py names the kernel by it): on the avx2 path's build
+    for head dims that are a multiple of 32 while switched on; never on another path's."""
+    built = cpu.load()
+    if built is None:
+        pytest.skip("no compiled CPU kernels")
+    on_avx2 = cpu_isa.selected().isa.name == "avx2"
+    dim64, dim80 = torch.zeros(1, 9, 64, dtype=torch.bfloat16), torch.zeros(1, 9, 80, dtype=torch.bfloat16)
+    assert built.avx2_attention_applies(dim64) == on_avx2
+    assert not built.avx2_attention_applies(dim80)
+    previous = built.set_avx2_attention(False)
+    try:
+        assert not built.avx2_attention_applies(dim64)
+    finally:
+        built.set_avx2_attention(previous)

@@ -36,7 +36,7 @@ AMX_PREFILL_MAX_KEYS = 512
 BF16_PREFILL_MAX_KEYS = 1024
 # And for the AVX2 and widened float32 kernels where they score on vectors (AVX2 and up), whose rows rescan the keys
 # they see (benchmarks/prefill_attention.py --dtype bfloat16|float32; figures: benchmarks/RESULTS.md,
-# "Prefill rows on the widened float32 kernel").
+# "Prefill rows on the widened float32 kernel" and "Decode attention on AVX2 without regrouped tiles").
 WIDENED_PREFILL_MAX_KEYS = 512
 
 

@@ -63,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_attention_applies", &amx_attention_applies, "whether decode_attention runs these q/cache on AMX");
   m.def("bf16_attention_applies", &bf16_attention_applies,
         "whether decode_attention runs these q/cache on AVX512-BF16 where AMX does not apply");
+  m.def("avx2_attention_applies", &avx2_attention_applies,
+        "whether decode_attention runs these q on the AVX2 kernel where AMX and AVX512-BF16 do not");
   m.def("widened_attention_vectorized", &widened_attention_vectorized,
         "whether decode_attention's widened float32 kernel scores these q on vectors");
   m.def("gemv_bf16", without_gil_when_long<&gemv_bf16>,

@@ -244,6 +244,8 @@ void run_items(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_
 
 }  // namespace
 
+bool avx2_attention_applies(at::Tensor q) { return q.size(-1) % kPartDims == 0 && avx2_enabled.load(); }
+
 template <typename T>
 bool decode_attention_avx2(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_cache, T* out) {
   if (p.dim % kPartDims != 0 || !avx2_enabled.load()) return false;
@@ -251,6 +253,8 @@ bool decode_attention_avx2(const DecodeProblem& p, const T* q, const T* k_cache,
   return true;
 }
 #else
+bool avx2_attention_applies(at::Tensor) { return false; }
+
 template <typename T>
 bool decode_attention_avx2(const DecodeProblem&, const T*, const T*, const T*, T*) {
   return false;

@@ -38,6 +38,9 @@ bool amx_attention_applies(at::Tensor q, at::Tensor k_cache, int64_t window);
 // kernel where the AMX kernel does not (bf16, head dim a multiple of 32, built with AVX512-BF16 and enabled).
 // That kernel takes short prefill rows too (kvserve/kernels/attention_cpu.py).
 bool bf16_attention_applies(at::Tensor q, at::Tensor k_cache);
+// Whether decode_attention runs q [T, Hq, D] on the AVX2 kernel where neither of the above does (the avx2 path's
+// build, head dim a multiple of 32, enabled). That kernel takes short prefill rows too (attention_cpu.py).
+bool avx2_attention_applies(at::Tensor q);
 // Whether the widened float32 kernel, which takes the rest, scores q [T, Hq, D] on vectors (built with AVX2
 // and FMA, head dim a multiple of 8). Only then does it take short prefill rows (attention_cpu.py): its
 // scalar loops run them slower than SDPA.
