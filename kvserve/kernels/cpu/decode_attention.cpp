@@ -30,8 +30,8 @@ bool set_attention_key_split(bool enabled) { return key_split_enabled.exchange(e
 // else to the AVX512-BF16 one (decode_attention_bf16.cpp) where the build has it, else on the avx2 path's
 // build to the AVX2 one (decode_attention_avx2.cpp); this kernel takes the rest (plain builds, float32 caches
 // on AVX-512, bf16 on AVX-512 without AVX512-BF16, head dims the AVX2 kernel does not take), its products in
-// float32 over widened tiles. Few
-// decode rows on the vector kernels are split by keys among the threads (decode_attention_key_split.h).
+// float32 over widened tiles. Few decode rows on the vector kernels are split by keys among the threads
+// (decode_attention_key_split.h).
 
 #ifdef __AVX2__
 // Lane j of the result is the sum of the 8 lanes of v[j]: 6 horizontal adds, 2 lane swaps and an add.
