@@ -6,6 +6,9 @@ tests."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -14,24 +17,42 @@ from kvserve.kernels.attention_cpu import BF16_PREFILL_MAX_KEYS, cpu_attention
 from kvserve.kernels.attention_ref import climbing_score_inputs, paged_reference_attention, random_paged_inputs
 from kvserve.kernels.cpu import isa as cpu_isa
 
-# Each kernel: whether the selected path builds it, and its switch's name.
+
+@dataclass(frozen=True)
+class VectorKernel:
+    built_on_path: Callable[[], bool]  # whether the selected path's build has the kernel
+    switch_name: str
+    cache_dtypes: tuple[torch.dtype, ...]  # the caches it takes; the widened kernel takes the others
+    # Whether its bf16 outputs always differ in bits from the widened kernel's: the bf16 kernel rounds its
+    # probabilities to bf16; the AVX2 kernel's float32 sums often round to the widened kernel's bf16 outputs.
+    bf16_outputs_differ: bool
+
+
 VECTOR_KERNELS = {
-    "bf16": (lambda: cpu_isa.selected().bf16, "set_bf16_attention"),
-    "avx2": (lambda: cpu_isa.selected().isa.name == "avx2", "set_avx2_attention"),
+    "bf16": VectorKernel(lambda: cpu_isa.selected().bf16, "set_bf16_attention", (torch.bfloat16,), True),
+    "avx2": VectorKernel(
+        lambda: cpu_isa.selected().isa.name == "avx2", "set_avx2_attention", (torch.bfloat16, torch.float32), False
+    ),
 }
 
 
+@dataclass
+class SwitchedKernel:
+    kernel: VectorKernel
+    switch: Callable[[bool], bool]
+
+
 @pytest.fixture(params=sorted(VECTOR_KERNELS))
-def kernel_switch(request):
-    """The kernel's switch (on at the start), with the AMX kernel off; skips where the path lacks the kernel."""
+def vector_kernel(request):
+    """The kernel and its switch (on at the start), with the AMX kernel off; skips where the path lacks it."""
     built = cpu.load()
-    applies, switch_name = VECTOR_KERNELS[request.param]
-    if built is None or not applies():
+    kernel = VECTOR_KERNELS[request.param]
+    if built is None or not kernel.built_on_path():
         pytest.skip(f"the selected path has no {request.param} attention kernel (KVSERVE_CPU_ISA may force another)")
     previous_amx = built.set_amx_attention(False)
-    switch = getattr(built, switch_name)
+    switch = getattr(built, kernel.switch_name)
     switch(True)
-    yield switch
+    yield SwitchedKernel(kernel, switch)
     built.set_amx_attention(previous_amx)
     switch(True)
 
@@ -70,8 +91,10 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("query_lens", "seq_lens", "heads", "kv_heads", "head_dim", "block_size", "window"), CASES)
 def test_kernel_matches_the_oracle_and_the_widened_kernel(
-    kernel_switch, dtype, query_lens, seq_lens, heads, kv_heads, head_dim, block_size, window
+    vector_kernel, dtype, query_lens, seq_lens, heads, kv_heads, head_dim, block_size, window
 ) -> None:
+    if dtype not in vector_kernel.kernel.cache_dtypes:
+        pytest.skip(f"the kernel takes no {dtype} caches")
     q, k, v, meta = random_paged_inputs(
         query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=len(seq_lens)
     )
@@ -79,20 +102,20 @@ def test_kernel_matches_the_oracle_and_the_widened_kernel(
     ref = paged_reference_attention(q.double(), k.double(), v.double(), meta, scale, torch.float64, window)
     outs = []
     for on in (True, False):
-        kernel_switch(on)
+        vector_kernel.switch(on)
         outs.append(cpu_attention(q, k, v, meta, scale, window=window).double())
     # bf16 outputs are rounded to 8 bits; float32 ones, summed in another order, agree to float32's precision.
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     for out in outs:
         assert relative_error(out, ref) < tolerance
     assert relative_error(outs[0], outs[1]) < tolerance
-    # Whether the switch chose another kernel shows where the rounding differs: in every float32 output, and
-    # in the bf16 kernel's bf16 probabilities (the AVX2 kernel's bf16 outputs often round to the widened one's).
-    if dtype == torch.float32 or kernel_switch.__name__ == "set_bf16_attention":
+    # Whether the switch chose another kernel shows where the rounding differs: in every float32 output, and in
+    # bf16 outputs where the kernel's own rounding differs (VectorKernel.bf16_outputs_differ).
+    if dtype == torch.float32 or vector_kernel.kernel.bf16_outputs_differ:
         assert not torch.equal(outs[0], outs[1]), "both runs took the same kernel"
 
 
-def test_kernel_rescales_when_later_keys_score_higher(kernel_switch) -> None:
+def test_kernel_rescales_when_later_keys_score_higher(vector_kernel) -> None:
     """The lazy reference max must move with scores that climb past its threshold: at scale 10 by 1 per
     key, 300 over a sequence, where exponentials against a stale reference would overflow float32."""
     q, k, v, meta = climbing_score_inputs([1, 2, 64], [300, 200, 100])
@@ -102,7 +125,7 @@ def test_kernel_rescales_when_later_keys_score_higher(kernel_switch) -> None:
     assert relative_error(out, ref) < 1e-2
 
 
-def test_kernel_never_reads_nan_past_a_tiles_keys(kernel_switch) -> None:
+def test_kernel_never_reads_nan_past_a_tiles_keys(vector_kernel) -> None:
     """Every cache slot past each sequence's last key set to NaN (stale rows of a reused block): the kernels
     must not read them (the bf16 kernel's masked loads read zeros there), or 0 * NaN would reach the output."""
     query_lens, seq_lens = [1, 1, 1, 1, 2, 40], [5, 21, 40, 16, 9, 45]
@@ -119,13 +142,13 @@ def test_kernel_never_reads_nan_past_a_tiles_keys(kernel_switch) -> None:
     assert relative_error(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("kernel_switch", ["bf16"], indirect=True)
-def test_prefill_rows_take_the_bf16_kernel_up_to_its_bound(kernel_switch) -> None:
+@pytest.mark.parametrize("vector_kernel", ["bf16"], indirect=True)
+def test_prefill_rows_take_the_bf16_kernel_up_to_its_bound(vector_kernel) -> None:
     """A sequence with prefill rows runs on the kernel while it has at most BF16_PREFILL_MAX_KEYS keys, on
     SDPA past that, and on SDPA whenever the kernel is switched off; both give the oracle's rows."""
     query_lens, seq_lens = [20, 20], [BF16_PREFILL_MAX_KEYS, BF16_PREFILL_MAX_KEYS + 1]
     for bf16, expected_on_kernel in ((True, [0]), (False, [])):
-        kernel_switch(bf16)
+        vector_kernel.switch(bf16)
         q, k, v, meta = random_paged_inputs(query_lens, seq_lens, 9, 3, 64, 16, torch.bfloat16, seed=3)
         out = cpu_attention(q, k, v, meta, 0.125).double()
         on_kernel, on_sdpa = meta.plans[("cpu", True)]
