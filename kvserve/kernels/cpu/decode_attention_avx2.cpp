@@ -179,7 +179,6 @@ void run_items(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_
     std::vector<float> probs(max_rows * kTile);                    // per row: the tile's scores, then its probabilities
     std::vector<int64_t> first_key(max_rows), last_key(max_rows);  // per row: the first and last key it may see
     PacedPrefetch<T, _MM_HINT_T1> prefetch;                        // the next tile's K/V rows
-    int64_t share_steps = 0;  // the chunk's prefetch points: each block's scores and each block's P.V
     const auto start = [&](const DecodeChunk& chunk) {
       std::fill_n(out_rows.begin(), heads * chunk.rows * dim, 0.f);
       std::fill_n(softmax.begin(), heads * chunk.rows, RowSoftmax{});
@@ -189,26 +188,32 @@ void run_items(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_
         last_key[r] = chunk.last_key(r);
         first_key[r] = chunk.first_key(r);
       }
-      share_steps = 2 * heads * row_blocks(chunk.rows);
     };
     const auto tile = [&](const DecodeChunk& chunk, int64_t kv_start, int64_t nkeys, int64_t tile_at) {
       const int64_t rows = chunk.rows;
-      const int64_t share = std::max(kPrefetchBatch, (prefetch.lines() + share_steps - 1) / share_steps);
+      const int64_t steps = 2 * heads * row_blocks(rows);  // prefetch points: each block's scores and its P.V
+      const int64_t share = std::max(kPrefetchBatch, (prefetch.lines() + steps - 1) / steps);
       for (int64_t head = 0; head < heads; ++head) {
         const T* k_tile = k_cache + tile_at + head * dim;
         const T* v_tile = v_cache + tile_at + head * dim;
         const int64_t r0 = head * rows;
-        // Rows in blocks; a block reads the keys its latest row sees (rows are in token order).
-        for (int64_t b = r0, block; b < r0 + rows; b += block) {
-          block = block_rows_at(r0 + rows - b);
-          const int64_t block_keys = std::min(nkeys, last_key[b + block - 1] - kv_start + 1);
-          if (block_keys <= 0) continue;  // probs of rows that see none of the tile: set to 0 below
-          with_block_rows(block, [&](auto block_rows) {
-            block_scores<decltype(block_rows)::value>(&q_rows[b * dim], k_tile, key_len, block_keys, dim,
-                                                      &probs[b * kTile]);
-          });
-          prefetch.issue(share);
-        }
+        // fn(b, block_rows, block_keys) for the head's rows in blocks from row b, block_rows (a compile-time
+        // constant) at a time, each block reading the keys its latest row sees (rows are in token order);
+        // blocks that see none of the tile are skipped (their rows' probs are set to 0 below), and the next
+        // share of prefetches is asked for after each.
+        const auto each_block = [&](auto&& fn) {
+          for (int64_t b = r0, block; b < r0 + rows; b += block) {
+            block = block_rows_at(r0 + rows - b);
+            const int64_t block_keys = std::min(nkeys, last_key[b + block - 1] - kv_start + 1);
+            if (block_keys <= 0) continue;
+            with_block_rows(block, [&](auto block_rows) { fn(b, block_rows, block_keys); });
+            prefetch.issue(share);
+          }
+        };
+        each_block([&](int64_t b, auto block_rows, int64_t block_keys) {
+          block_scores<decltype(block_rows)::value>(&q_rows[b * dim], k_tile, key_len, block_keys, dim,
+                                                    &probs[b * kTile]);
+        });
         for (int64_t r = r0; r < r0 + rows; ++r) {
           const int64_t visible = std::min(nkeys, last_key[r] - kv_start + 1);
           const int64_t first = std::max<int64_t>(0, first_key[r] - kv_start);
@@ -219,16 +224,10 @@ void run_items(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_
           }
           tile_probabilities(row_probs, first, visible, p.scale, softmax[r], &out_rows[r * dim], dim);
         }
-        for (int64_t b = r0, block; b < r0 + rows; b += block) {
-          block = block_rows_at(r0 + rows - b);
-          const int64_t block_keys = std::min(nkeys, last_key[b + block - 1] - kv_start + 1);
-          if (block_keys <= 0) continue;
-          with_block_rows(block, [&](auto block_rows) {
-            block_values<decltype(block_rows)::value>(&probs[b * kTile], v_tile, key_len, block_keys, dim,
-                                                      &out_rows[b * dim]);
-          });
-          prefetch.issue(share);
-        }
+        each_block([&](int64_t b, auto block_rows, int64_t block_keys) {
+          block_values<decltype(block_rows)::value>(&probs[b * kTile], v_tile, key_len, block_keys, dim,
+                                                    &out_rows[b * dim]);
+        });
       }
       prefetch.issue(-1);
     };
@@ -244,11 +243,14 @@ void run_items(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_
 
 }  // namespace
 
-bool avx2_attention_applies(at::Tensor q) { return q.size(-1) % kPartDims == 0 && avx2_enabled.load(); }
+// Whether the kernel takes heads of `dim` now: whole 32-dim passes of P.V, and switched on.
+inline bool takes_head_dim(int64_t dim) { return dim % kPartDims == 0 && avx2_enabled.load(); }
+
+bool avx2_attention_applies(at::Tensor q) { return takes_head_dim(q.size(-1)); }
 
 template <typename T>
 bool decode_attention_avx2(const DecodeProblem& p, const T* q, const T* k_cache, const T* v_cache, T* out) {
-  if (p.dim % kPartDims != 0 || !avx2_enabled.load()) return false;
+  if (!takes_head_dim(p.dim)) return false;
   run_items(p, q, k_cache, v_cache, out);
   return true;
 }
