@@ -4,8 +4,7 @@ scalar loop of generic builds, and the 8- and 16-lane loops of AVX2 and AVX-512 
 
 Logits as a step leaves them: bf16 rows of SmolLM2's vocabulary (49,152) and Gemma 3's (262,144), one row
 (batch-1 decode) and 100 (a full decode batch); the kernel and torch.max alternate call by call
-(quantized_gemv.median_us). Prints the
-median microseconds per call of each and their ratio; writes JSON.
+(quantized_gemv.median_us). Prints the median microseconds per call of each and their ratio; writes JSON.
 
     python benchmarks/argmax_rows.py [--repeats 200] [--out PATH]
 """
@@ -16,14 +15,12 @@ import argparse
 import functools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from quantized_gemv import median_us
-from roofs import path_environment
+from roofs import json_on_path
 
 from kvserve.bench.results import save_results
 from kvserve.kernels import cpu
@@ -68,11 +65,7 @@ def main() -> None:
     print("| path | vocab | rows | argmax_rows us | torch.max us | torch.max / kernel |")
     print("|---|---|---|---|---|---|")
     for isa in build_config.executable_isas():
-        cmd = [sys.executable, __file__, "--json", "--repeats", str(args.repeats)]
-        out = subprocess.run(cmd, env=path_environment(isa.name, dict(os.environ)), capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"argmax_rows.py on the {isa.name} path failed:\n{out.stderr[-3000:]}")
-        for row in json.loads(out.stdout.splitlines()[-1]):
+        for row in json_on_path(__file__, ["--repeats", str(args.repeats)], isa.name, dict(os.environ)):
             results.append({"path": isa.name, **row})
             print(f"| {isa.name} | {row['vocab']:,} | {row['rows']} | {row['kernel_us']:.1f} | "
                   f"{row['torch_max_us']:.1f} | {row['torch_max_us'] / row['kernel_us']:.2f}x |")  # fmt: skip

@@ -147,13 +147,19 @@ def path_environment(path: str, base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def measure_path(path: str, base_env: dict[str, str], gemm_n: int = 2048, stream_mib: int = 1024) -> dict[str, Any]:
-    """`measure` in a process of its own on `path`, whose environment is otherwise `base_env`."""
-    cmd = [sys.executable, __file__, "--json", "--gemm-n", str(gemm_n), "--stream-mib", str(stream_mib)]
+def json_on_path(script: str, args: list[str], path: str, base_env: dict[str, str]) -> Any:
+    """`script --json *args` in a process of its own on `path`, whose environment is otherwise `base_env`: the
+    JSON of its last line of output."""
+    cmd = [sys.executable, script, "--json", *args]
     out = subprocess.run(cmd, env=path_environment(path, base_env), capture_output=True, text=True)
     if out.returncode:
-        raise RuntimeError(f"roofs.py on the {path} path failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{Path(script).name} on the {path} path failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.splitlines()[-1])
+
+
+def measure_path(path: str, base_env: dict[str, str], gemm_n: int = 2048, stream_mib: int = 1024) -> dict[str, Any]:
+    """`measure` in a process of its own on `path`, whose environment is otherwise `base_env`."""
+    return json_on_path(__file__, ["--gemm-n", str(gemm_n), "--stream-mib", str(stream_mib)], path, base_env)
 
 
 def measure_every_path(base_env: dict[str, str], gemm_n: int = 2048, stream_mib: int = 1024) -> list[dict[str, Any]]:
