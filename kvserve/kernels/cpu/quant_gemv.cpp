@@ -387,16 +387,16 @@ inline void multiply_block(const UnpackedBlock<L, V>& u, const ActivationRows& x
   }
 }
 
-// Software prefetch, into L1, of every cache line of the weights kPrefetchAheadBytes ahead of block p in each of a
-// vector's groups (past the matrix's end it asks for the next weights in memory; a prefetch never faults). A
-// thread's row groups lie one after another, so this runs ahead of its own reads. With the hardware prefetchers
-// alone, a product at one or two rows left the memory idle while it computed: its weights arrived at well below
-// the stream rate, on every block type (benchmarks/RESULTS.md, "Weights asked for 1 KiB ahead"). With many rows
-// the block is in cache by then and the prefetches hit.
+// Software prefetch, into L1, of every cache line of the weights kPrefetchAheadBytes ahead of block p in each of
+// `groups` row groups `stride` bytes apart (past the matrix's end it asks for the next weights in memory; a
+// prefetch never faults). A thread's row groups lie one after another, so this runs ahead of its own reads. With
+// the hardware prefetchers alone, a product at one or two rows left the memory idle while it computed: its weights
+// arrived at well below the stream rate, on every block type (benchmarks/RESULTS.md, "Weights asked for 1 KiB
+// ahead"). With many rows the block is in cache by then and the prefetches hit.
 constexpr int64_t kPrefetchAheadBytes = 1024;
-template <typename Group, typename L>
-inline void prefetch_ahead(const uint8_t* p, int64_t stride) {
-  for (int64_t g = 0; g < L::kGroups; ++g)
+template <typename Group>
+inline void prefetch_ahead(const uint8_t* p, int64_t stride, int64_t groups) {
+  for (int64_t g = 0; g < groups; ++g)
     for (int64_t line = 0; line < Group::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + g * stride + kPrefetchAheadBytes + line), _MM_HINT_T0);
 }
@@ -411,7 +411,7 @@ inline void row_group_rows(const uint8_t* group, int64_t stride, const Activatio
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < V; ++v) acc[m][v] = splat<Float>(0.f), acc_offset[m][v] = splat<Float>(0.f);
   for (int64_t b = 0; b < x.k / kXBlock; ++b) {
-    for (int v = 0; v < V; ++v) prefetch_ahead<Group, L>(group + v * L::kGroups * stride + b * Group::kBytes, stride);
+    prefetch_ahead<Group>(group + b * Group::kBytes, stride, L::kGroups * V);
     UnpackedBlock<L, V> u;
     unpack_block<Group, L, V>(group + b * Group::kBytes, stride, u);
     multiply_block<Group, M, L, V>(u, x, b, acc, acc_offset);
@@ -435,7 +435,7 @@ inline void q4_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   for (int m = 0; m < M; ++m) acc[m] = splat<Float>(0.f), acc_offset[m] = splat<Float>(0.f);
   const uint8_t* p = group;
   for (int64_t super = 0; super < xblocks / 8; ++super, p += Group::kBytes) {
-    prefetch_ahead<Group, L>(p, stride);
+    prefetch_ahead<Group>(p, stride, L::kGroups);
     const Float d = L::halves(p, stride), dmin = L::halves(p + 16, stride);
     Int s[12];  // byte j of each row's 12 scale bytes, lane r
     for (int j = 0; j < 12; ++j) s[j] = L::byte_lanes(p + 32 + 8 * j, stride);
@@ -484,7 +484,7 @@ inline void q6_k_row_group_rows(const uint8_t* group, int64_t stride, const Acti
   for (int m = 0; m < M; ++m) acc[m] = splat<Float>(0.f);
   const uint8_t* p = group;
   for (int64_t super = 0; super < xblocks / 8; ++super, p += Group::kBytes) {
-    prefetch_ahead<Group, L>(p, stride);
+    prefetch_ahead<Group>(p, stride, L::kGroups);
     const Float d = L::halves(p + kQ6KD, stride);
     for (int chunk = 0; chunk < 8; ++chunk) {
       Float scale[2];
